@@ -1,0 +1,30 @@
+"""prefixattn: prefix-aware paged decode attention.
+
+Reads each shared KV page once per step for all the queries that share it: the block tables
+become a prefix forest, the forest is packed into work items, the items run as one forward
+stage writing partial results, and a log-sum-exp merge combines them.
+
+Importing this package loads neither the compiled kernels (loaded on first CUDA ``run``) nor
+any serving framework.
+"""
+
+from .api import PrefixAttention
+from .forest import PrefixForest, build_forest
+from .plan import LaunchPlan, PlanArrays
+from .reference import attention_reference, run_plan_reference
+from .workloads import PAT_TREES, parse_tree, tree_batch
+
+__all__ = [
+    "PAT_TREES",
+    "LaunchPlan",
+    "PlanArrays",
+    "PrefixAttention",
+    "PrefixForest",
+    "attention_reference",
+    "build_forest",
+    "parse_tree",
+    "run_plan_reference",
+    "tree_batch",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,392 @@
+"""The engine-facing API: ``PrefixAttention(...).plan(...)`` once per step, ``.run(...)`` per layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .forest import build_forest
+from .packer import PACKINGS, BatchShape, pack
+from .plan import LaunchPlan, PlanArrays
+from .reference import run_plan_reference
+from .schedule import schedule_arrays
+from .tiles import SUPPORTED_HEAD_DIMS, tile_table
+
+KV_LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""dtypes ``run`` accepts; the CUDA kernels take float16 and bfloat16, the reference all four."""
+
+
+class PrefixAttention:
+    """Prefix-aware paged attention for one model's attention shape.
+
+    Build one per model (or per attention shape) and keep it: it owns the kernels' workspace.
+    Each step, call :meth:`plan` once with the batch's block table and lengths; then call
+    :meth:`run` in every layer with that layer's query and KV cache.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads:
+        Query and KV heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads``
+        (group sizes 1 to 16).
+    head_dim:
+        64, 128 or 256.
+    page_size:
+        Tokens per KV page, 1 to 128.
+    kv_layout:
+        ``"NHD"``: caches are [num_pages, page_size, num_kv_heads, head_dim];
+        ``"HND"``: [num_pages, num_kv_heads, page_size, head_dim]. Any strides are accepted
+        as long as the last dimension is contiguous.
+    device:
+        Where plans put their index arrays (default: CPU).
+    dtype:
+        Element type of q and the caches; it sets the byte accounting and the packer's cost
+        model, and ``run`` checks it.
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        kv_layout: str = "NHD",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        for name, value in (
+            ("num_qo_heads", num_qo_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("page_size", page_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if num_qo_heads // num_kv_heads > 16:
+            raise ValueError(
+                f"GQA group size {num_qo_heads // num_kv_heads} is not supported (at most 16)"
+            )
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"unsupported head_dim {head_dim}; supported: "
+                + ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+            )
+        if page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size {page_size} is larger than {MAX_PAGE_SIZE}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {dtype}; expected one of {SUPPORTED_DTYPES}")
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.kv_layout = kv_layout
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype
+        self.tiles = tile_table(head_dim)
+        self._shape = BatchShape(
+            num_qo_heads, num_kv_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
+        )
+        self._plan: LaunchPlan | None = None
+        self._workspace: Any = None
+
+    @property
+    def last_plan(self) -> LaunchPlan | None:
+        """The plan :meth:`run` uses (the last one :meth:`plan` built)."""
+        return self._plan
+
+    # ------------------------------------------------------------------ plan
+    def plan(
+        self,
+        block_table: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        packing: str = "memory",
+        split_kv: bool = True,
+    ) -> LaunchPlan:
+        """Build the step's launch plan (host work; not for CUDA-graph capture).
+
+        Parameters
+        ----------
+        block_table:
+            int32 [B, max_pages]; row b's first ``ceil(seq_lens[b] / page_size)`` entries are
+            its pages, later entries are ignored. Equal leading entries mean shared KV.
+        seq_lens:
+            int32 [B]; KV length of each request, including its new tokens.
+        qo_indptr:
+            int32 [B+1]; request b's new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of
+            ``q``. None means one new token per request (decode).
+        packing:
+            ``"memory"`` (prefix-aware, default), ``"naive"`` (one work item per forest node) or
+            ``"per_query"`` (one per request: the query-centric baseline).
+        split_kv:
+            Split work items longer than the batch mean into equal parts.
+
+        Device tensors are copied to the host (one sync); engines that keep host copies of
+        their block tables should pass those.
+        """
+        table = _host_int_array("block_table", block_table, ndim=2)
+        lens = _host_int_array("seq_lens", seq_lens, ndim=1)
+        b = table.shape[0]
+        if lens.shape[0] != b:
+            raise ValueError(
+                f"seq_lens has {lens.shape[0]} entries but block_table has {b} rows"
+            )
+        if qo_indptr is None:
+            indptr = np.arange(b + 1, dtype=np.int64)
+        else:
+            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1)
+            if indptr.shape[0] != b + 1:
+                raise ValueError(
+                    f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
+                )
+        if packing not in PACKINGS:
+            raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
+        _check_lengths(table, lens, indptr, self.page_size)
+
+        # Requests without new tokens (padding) take no part in the forest.
+        forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
+        host, tiles, tile_indptr, acc = pack(
+            forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv
+        )
+        num_tokens = int(indptr[-1])
+        used = (lens + self.page_size - 1) // self.page_size
+        cols = np.arange(table.shape[1])
+        max_page_id = int(table[cols[None, :] < used[:, None]].max(initial=-1))
+        shape = self._shape
+        distinct_tokens = int((forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum())
+        qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
+        dev = self.device
+        extras = {
+            k: torch.as_tensor(v, dtype=torch.int32).to(dev)
+            for k, v in schedule_arrays(host, self.num_kv_heads).items()
+        }
+        plan = LaunchPlan(
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            kv_layout=self.kv_layout,
+            packing=packing,
+            split_kv=split_kv,
+            batch_size=b,
+            num_tokens=num_tokens,
+            num_work_items=len(host.kv_len),
+            num_partials=acc["num_partials"],
+            num_merge_tokens=len(host.merge_tokens),
+            max_page_id=max_page_id,
+            tiles=tiles,
+            tile_indptr=tile_indptr,
+            num_ctas=len(host.kv_len) * self.num_kv_heads,
+            kv_bytes=acc["kv_bytes"],
+            partial_bytes=acc["partial_bytes"],
+            distinct_kv_bytes=shape.kv_bytes(distinct_tokens),
+            query_centric_kv_bytes=shape.kv_bytes(int(lens[np.diff(indptr) > 0].sum())),
+            qo_bytes=qo_bytes,
+            device=dev,
+            **_to_device(host, dev),
+            extras=extras,
+            host=host,
+            forest=forest,
+        )
+        self._plan = plan
+        return plan
+
+    # ------------------------------------------------------------------- run
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float | None = None,
+        out: torch.Tensor | None = None,
+        plan: LaunchPlan | None = None,
+    ) -> torch.Tensor:
+        """Attention of the planned batch for one layer.
+
+        Parameters
+        ----------
+        q:
+            [T, Hq, D], T = ``qo_indptr[-1]`` of the plan; float16 or bfloat16 (CPU reference:
+            also float32/float64), the dtype given to the constructor.
+        k_cache, v_cache:
+            Paged caches in ``kv_layout``, same dtype and device as ``q``; last dim contiguous.
+        scale:
+            Softmax scale; default ``1/sqrt(head_dim)``.
+        out:
+            Optional [T, Hq, D] output, written in place (caller-owned: CUDA-graph friendly).
+        plan:
+            The plan to run (default: the last one :meth:`plan` built).
+
+        Returns ``out`` (or a new tensor). With CUDA tensors and the compiled kernels this
+        allocates nothing when ``out`` is given, does no host sync and may be captured in a
+        CUDA graph; otherwise it executes the plan with the PyTorch reference.
+        """
+        plan = plan if plan is not None else self._plan
+        if plan is None:
+            raise RuntimeError("PrefixAttention.run called before plan()")
+        self._check_run_inputs(plan, q, k_cache, v_cache, out)
+        if out is None:
+            out = torch.empty_like(q)
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            from . import _ops  # loads the compiled library on first use
+
+            if not _ops.cuda_ops_available():
+                return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
+            if self._workspace is None:
+                self._workspace = _ops.Workspace(q.device)
+            _ops.run_plan_cuda(plan, q, k_cache, v_cache, out, scale, self._workspace)
+            return out
+        return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
+
+    def _check_run_inputs(
+        self,
+        plan: LaunchPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> None:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if q.dim() != 3:
+            raise ValueError(f"q must be 3-D [tokens, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+        expected_q = (plan.num_tokens, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != expected_q:
+            raise ValueError(f"q has shape {tuple(q.shape)}, expected {expected_q} for this plan")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q has dtype {q.dtype} but this PrefixAttention was built for {self.dtype}")
+        if q.stride(-1) != 1:
+            raise ValueError("q must have a contiguous last dimension")
+        if q.device.type != plan.device.type or (
+            q.is_cuda and plan.device.index is not None and q.device.index != plan.device.index
+        ):
+            raise ValueError(f"q is on {q.device} but the plan's arrays are on {plan.device}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4:
+                raise ValueError(
+                    f"{name} must be 4-D ({_layout_doc(self.kv_layout)}), got shape {tuple(cache.shape)}"
+                )
+            if self.kv_layout == "NHD":
+                _, ps, hkv, d = cache.shape
+            else:
+                _, hkv, ps, d = cache.shape
+            if (ps, hkv, d) != (self.page_size, self.num_kv_heads, self.head_dim):
+                raise ValueError(
+                    f"{name} has shape {tuple(cache.shape)}; expected {_layout_doc(self.kv_layout)} "
+                    f"with page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
+                    f"head_dim={self.head_dim}"
+                )
+            if cache.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {cache.dtype} but q has {q.dtype}")
+            if cache.device != q.device:
+                raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+            if cache.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dimension (head_dim)")
+            if plan.max_page_id >= cache.shape[0]:
+                raise IndexError(
+                    f"block_table refers to page {plan.max_page_id} but {name} has only "
+                    f"{cache.shape[0]} pages"
+                )
+        if k_cache.shape[0] != v_cache.shape[0]:
+            raise ValueError(
+                f"k_cache has {k_cache.shape[0]} pages but v_cache has {v_cache.shape[0]}"
+            )
+        if out is not None:
+            if tuple(out.shape) != tuple(q.shape):
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+            if out.dtype != q.dtype or out.device != q.device:
+                raise TypeError(
+                    f"out must match q's dtype and device ({q.dtype}, {q.device}), "
+                    f"got ({out.dtype}, {out.device})"
+                )
+            if out.stride(-1) != 1:
+                raise ValueError("out must have a contiguous last dimension")
+
+
+def _layout_doc(layout: str) -> str:
+    if layout == "NHD":
+        return "[num_pages, page_size, num_kv_heads, head_dim]"
+    return "[num_pages, num_kv_heads, page_size, head_dim]"
+
+
+def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
+    """A host int64 copy of an int32 tensor/array argument, with its rank checked."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int32 tensor, got {value.dtype}")
+        arr = value.detach().to("cpu").numpy()
+    elif isinstance(value, np.ndarray):
+        if not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name} must be an integer array, got {value.dtype}")
+        arr = value
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int) -> None:
+    if (lens < 0).any():
+        b = int(np.flatnonzero(lens < 0)[0])
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is negative")
+    if indptr.shape[0] and indptr[0] != 0:
+        raise ValueError(f"qo_indptr must start at 0, got {int(indptr[0])}")
+    qo_len = np.diff(indptr)
+    if (qo_len < 0).any():
+        b = int(np.flatnonzero(qo_len < 0)[0])
+        raise ValueError(f"qo_indptr is decreasing at request {b} (negative query length)")
+    if (qo_len > lens).any():
+        b = int(np.flatnonzero(qo_len > lens)[0])
+        raise ValueError(
+            f"qo_indptr gives request {b} {int(qo_len[b])} new tokens but seq_lens[{b}] is "
+            f"{int(lens[b])}; seq_lens must include the new tokens"
+        )
+    capacity = table.shape[1] * page_size
+    if (lens > capacity).any():
+        b = int(np.flatnonzero(lens > capacity)[0])
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])} needs {-(-int(lens[b]) // page_size)} pages but "
+            f"block_table rows hold {table.shape[1]} (page_size {page_size})"
+        )
+    used = (lens + page_size - 1) // page_size
+    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+    bad = in_use & (table < 0)
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise IndexError(f"block_table[{b}, {j}] = {int(table[b, j])} is a negative page id")
+    if table.size and (table[in_use] >= 2**31).any():
+        raise IndexError("block_table has page ids beyond int32 range")
+
+
+def _to_device(host: PlanArrays, device: torch.device) -> dict[str, torch.Tensor]:
+    names = (
+        "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens",
+        "q_limit", "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials",
+    )  # fmt: skip
+    if device.type == "cpu":
+        return {n: torch.from_numpy(getattr(host, n)) for n in names}
+    # One host-to-device copy for all arrays.
+    arrays = [getattr(host, n) for n in names]
+    flat = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(device, non_blocking=True)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for n, a in zip(names, arrays, strict=True):
+        out[n] = flat[offset : offset + len(a)]
+        offset += len(a)
+    return out

@@ -1,0 +1,159 @@
+"""``prefixattn`` command line: ``demo``, ``plan-bench`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .api import PrefixAttention
+from .packer import PACKINGS
+from .reference import attention_reference
+from .workloads import parse_tree, tree_batch
+
+DEFAULT_TREE = "1,4,64_1024,256,128"
+
+
+def _heads(text: str) -> tuple[int, int]:
+    try:
+        hq, hkv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads wants QO/KV, e.g. 32/8; got {text!r}") from None
+    return hq, hkv
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in table:
+        raise argparse.ArgumentTypeError(f"--dtype must be one of {', '.join(table)}")
+    return table[name]
+
+
+def demo(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="prefixattn demo",
+        description="Plan a shared-prefix batch, show its forest and bytes, run and check it.",
+    )
+    parser.add_argument("--tree", default=DEFAULT_TREE, help="PAT tree notation (counts_tokens)")
+    parser.add_argument("--heads", type=_heads, default=(32, 8), help="QO/KV heads, e.g. 32/8")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16 or fp32")
+    parser.add_argument(
+        "--device", default=None, help="cuda or cpu (default: cuda when available)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    hq, hkv = args.heads
+    tree = parse_tree(args.tree)
+    block_table, seq_lens = tree_batch(tree, args.page_size, seed=args.seed)
+    pa = PrefixAttention(hq, hkv, args.head_dim, args.page_size, device=device, dtype=dtype)
+
+    print(f"tree {tree}: {tree.batch_size} requests of {tree.seq_len} tokens, "
+          f"heads {hq}/{hkv}, head_dim {args.head_dim}, page_size {args.page_size}, "
+          f"{str(dtype).replace('torch.', '')} on {device}")
+    plans = {}
+    for packing in PACKINGS:
+        t0 = time.perf_counter()
+        plans[packing] = pa.plan(block_table, seq_lens, packing=packing)
+        plans[packing + "_ms"] = (time.perf_counter() - t0) * 1e3  # type: ignore[assignment]
+    plan = pa.plan(block_table, seq_lens, packing="memory")
+    print("\nprefix forest:")
+    print(plan.forest.describe())
+    print(f"\n{'packing':<10} {'items':>6} {'ctas':>6} {'KV MB':>9} {'partial MB':>10} "
+          f"{'total MB':>9} {'vs query-centric KV':>20} {'plan ms':>8}")
+    for packing in PACKINGS:
+        p = plans[packing]
+        print(
+            f"{packing:<10} {p.num_work_items:>6} {p.num_ctas:>6} {p.kv_bytes / 1e6:>9.2f} "
+            f"{p.partial_bytes / 1e6:>10.2f} {p.total_bytes / 1e6:>9.2f} "
+            f"{p.query_centric_kv_bytes / max(p.kv_bytes, 1):>19.2f}x "
+            f"{plans[packing + '_ms']:>8.2f}"
+        )
+    print(f"distinct KV: {plan.distinct_kv_bytes / 1e6:.2f} MB; "
+          f"tiles (m x n: items): " + ", ".join(
+              f"{m}x{n}: {plan.tile_indptr[i + 1] - plan.tile_indptr[i]}"
+              for i, (m, n) in enumerate(plan.tiles)))
+
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    num_pages = int(block_table.max()) + 1
+    shape = (num_pages, args.page_size, hkv, args.head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn((plan.num_tokens, hq, args.head_dim), generator=gen).to(device, dtype)
+    out = pa.run(q, k_cache, v_cache)
+    from . import _ops
+
+    engine = "CUDA kernels" if (device.type == "cuda" and _ops.cuda_ops_available()) else "PyTorch reference"
+    bt = torch.from_numpy(block_table).to(device)
+    sl = torch.from_numpy(seq_lens).to(device)
+    ref = attention_reference(q, k_cache, v_cache, bt, sl)
+    err = (out.float() - ref).abs().max().item()
+    # Tolerance: a few units of the output dtype's rounding on values of magnitude ~1.
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    ok = err <= tol
+    print(f"\nran with the {engine}: max |out - plain attention| = {err:.2e} "
+          f"(tolerance {tol:.0e}) -> {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+def plan_bench(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="prefixattn plan-bench", description="Time plan construction (host, one core)."
+    )
+    parser.add_argument("--tree", default="1,16,256_2048,1024,1024")
+    parser.add_argument("--heads", type=_heads, default=(32, 8))
+    parser.add_argument("--page-sizes", default="16,1")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--packing", default="memory", choices=PACKINGS)
+    args = parser.parse_args(argv)
+    hq, hkv = args.heads
+    tree = parse_tree(args.tree)
+    print(f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}")
+    for ps in (int(x) for x in args.page_sizes.split(",")):
+        bt, sl = tree_batch(tree, ps)
+        pa = PrefixAttention(hq, hkv, 128, ps)
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            pa.plan(bt, sl, packing=args.packing)
+            times.append(time.perf_counter() - t0)
+        t = np.asarray(times) * 1e3
+        print(f"page_size {ps:>3}: block table {bt.shape[0]}x{bt.shape[1]}, plan median "
+              f"{np.median(t):.3f} ms (min {t.min():.3f}, p90 {np.percentile(t, 90):.3f}) "
+              f"over {args.repeat} runs, {pa.last_plan.num_work_items if pa.last_plan else 0} items")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: prefixattn {demo,plan-bench,bench} [options]\n"
+              "  demo        plan and run a shared-prefix batch (default when no command)\n"
+              "  plan-bench  time plan construction on the host\n"
+              "  bench       kernel benchmark against the HBM floor and FlashInfer (GPU)")
+        return 0
+    if not argv or argv[0].startswith("-"):
+        return demo(argv)
+    if argv[0] not in commands:
+        print(f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
+              file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+def _bench(argv: list[str]) -> int:
+    from . import bench
+
+    return int(bench.main(argv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

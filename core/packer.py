@@ -1,0 +1,343 @@
+"""Pack a prefix forest into work items (PAT section 5.1) and lay them out as a plan.
+
+Three packings:
+
+- ``"memory"``: PAT's TreeHeuristic with a memory-centric profit model in bytes. A child
+  ``c`` of node ``u`` is *merged* into ``u`` (its work item also reads the KV carried down
+  to ``u``) when that saves more partial-result traffic than it costs in repeated KV reads::
+
+      tokens(c) * group * 8 * (head_dim + 1)   >   carried_len(u) * 2 * head_dim * elem_bytes
+      (fp32 o + lse written and read back)           (K and V of the carried pages read again)
+
+  Otherwise ``c`` gets its own item and its tokens stay in ``u``'s item.
+- ``"naive"``: every forest node is its own item (each distinct page read once per query-row
+  tile).
+- ``"per_query"``: one item per request over its whole KV (the query-centric baseline).
+
+Then, for every packing:
+
+- items with more query rows (tokens x group) than the largest tile are cut into
+  row-chunks that each read the item's KV;
+- long-KV split (``split_kv``): items longer than the batch mean (the mean KV length of the
+  forest nodes that serve tokens; of the requests for ``"per_query"``; at least
+  ``MIN_SPLIT_TOKENS``) are cut, on page boundaries, into equal parts no longer than it. The
+  memory packing does not merge a child into its parent when the merged item would be cut
+  again;
+- each item picks its (m, n) tile from the tile table; items are grouped by tile and, inside
+  a group, ordered longest first;
+- partial rows are given only to tokens covered by more than one item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .forest import PrefixForest
+from .plan import PlanArrays
+from .tiles import TileTable
+
+PACKINGS = ("memory", "naive", "per_query")
+
+# A split part is never shorter than this many KV tokens: shorter parts cost more in partial
+# traffic and launch granularity than they gain in balance.
+MIN_SPLIT_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """Sizes the packer's cost model and byte accounting need."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    elem_bytes: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of K and V of ``tokens`` positions (all KV heads)."""
+        return tokens * 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    def partial_bytes(self, rows: int) -> int:
+        """fp32 o and lse of ``rows`` partial rows, written once and read once."""
+        return rows * self.num_qo_heads * (self.head_dim + 1) * 4 * 2
+
+
+class _Items:
+    """Work items before layout: KV page ranges and the requests each one serves."""
+
+    def __init__(self) -> None:
+        self.page_begin: list[int] = []
+        self.page_end: list[int] = []
+        self.token_end: list[int] = []
+        self.requests: list[np.ndarray] = []
+
+    def add(self, page_begin: int, page_end: int, token_end: int, requests: np.ndarray) -> None:
+        self.page_begin.append(page_begin)
+        self.page_end.append(page_end)
+        self.token_end.append(token_end)
+        self.requests.append(requests)
+
+
+def _items_memory(
+    forest: PrefixForest, shape: BatchShape, qo_len: np.ndarray, max_rows: int, split_len: float
+) -> _Items:
+    items = _Items()
+    ps = forest.page_size
+    g = shape.group_size
+    partial_per_token = shape.partial_bytes(1)
+    kv_per_position = shape.kv_bytes(1)
+    # New tokens below each node, from a prefix sum over requests in DFS order.
+    csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
+    below = (csum[forest.req_end] - csum[forest.req_begin]).tolist()
+    page_begin = forest.page_begin.tolist()
+    page_end = forest.page_end.tolist()
+    token_end = forest.token_end.tolist()
+    num_ending = forest.num_ending.tolist()
+    req_begin = forest.req_begin.tolist()
+    req_end = forest.req_end.tolist()
+    order = forest.order
+
+    def reads(rows: int) -> int:
+        return -(-rows // max_rows)
+
+    def visit(u: int, carried_begin: int) -> None:
+        kids = forest.children[u]
+        if not kids:
+            items.add(carried_begin, page_end[u], token_end[u], order[req_begin[u] : req_end[u]])
+            return
+        carried = (token_end[u] - carried_begin * ps) * kv_per_position
+        rows = below[u] * g  # rows of u's own item while no child is merged
+        keep = [order[req_begin[u] : req_begin[u] + num_ending[u]]]
+        for c in kids:
+            rows_c = below[c] * g
+            # Merging c: u's item loses c's rows (fewer row-chunks may read the carried KV),
+            # c's item reads the carried KV once per its own row-chunk, and c's tokens skip
+            # one partial round trip.
+            saved = (reads(rows) - reads(rows - rows_c)) * carried + below[c] * partial_per_token
+            # An item longer than the split length is cut again, undoing the merge.
+            fits = token_end[c] - carried_begin * ps <= split_len
+            if fits and saved > reads(rows_c) * carried:
+                rows -= rows_c
+                visit(c, carried_begin)
+            else:
+                visit(c, page_begin[c])
+                keep.append(order[req_begin[c] : req_end[c]])
+        kept = np.concatenate(keep)
+        if len(kept):
+            items.add(carried_begin, page_end[u], token_end[u], kept)
+
+    for root in forest.roots:
+        visit(root, page_begin[root])
+    return items
+
+
+def _items_naive(forest: PrefixForest) -> _Items:
+    items = _Items()
+    for u in range(forest.num_nodes):
+        items.add(
+            int(forest.page_begin[u]),
+            int(forest.page_end[u]),
+            int(forest.token_end[u]),
+            forest.requests(u),
+        )
+    return items
+
+
+def _items_per_query(num_pages: np.ndarray, seq_lens: np.ndarray) -> _Items:
+    items = _Items()
+    rows = np.flatnonzero(num_pages > 0)
+    items.page_begin = [0] * len(rows)
+    items.page_end = num_pages[rows].tolist()
+    items.token_end = seq_lens[rows].tolist()
+    items.requests = list(rows.astype(np.int32).reshape(-1, 1))
+    return items
+
+
+def _segment_rank(seg: np.ndarray, num_segments: int) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted segment ids: (rank of each element inside its segment, segment sizes)."""
+    sizes = np.bincount(seg, minlength=num_segments)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return np.arange(len(seg)) - starts[seg], sizes
+
+
+def pack(
+    forest: PrefixForest,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    qo_indptr: np.ndarray,
+    shape: BatchShape,
+    table: TileTable,
+    packing: str,
+    split_kv: bool,
+) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
+    """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting."""
+    ps = forest.page_size
+    qo_indptr = qo_indptr.astype(np.int64)
+    qo_len = np.diff(qo_indptr)
+    lens = seq_lens.astype(np.int64)
+    num_pages = (lens + ps - 1) // ps
+    # Long-KV split length: the mean KV length of the forest's nodes that serve tokens (the
+    # items before any merge), or of the requests for per_query; never below MIN_SPLIT_TOKENS.
+    split_len = float("inf")
+    if split_kv:
+        if packing == "per_query":
+            lengths = lens[qo_len > 0]
+        else:
+            csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
+            serves = csum[forest.req_end] > csum[forest.req_begin]
+            lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[serves]
+        if len(lengths):
+            split_len = max(float(lengths.mean()), MIN_SPLIT_TOKENS)
+    if packing == "memory":
+        items = _items_memory(forest, shape, qo_len, table.max_rows, split_len)
+    elif packing == "naive":
+        items = _items_naive(forest)
+    elif packing == "per_query":
+        items = _items_per_query(num_pages, lens)
+    else:
+        raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
+
+    g = shape.group_size
+    max_tokens = max(1, table.max_rows // g)
+    num_tokens = int(qo_indptr[-1])
+
+    # 1. Query slots: every new token of every request of every item, with its causal bound.
+    n_items = len(items.requests)
+    it_begin = np.asarray(items.page_begin, dtype=np.int64) * ps  # first position
+    it_tok_end = np.asarray(items.token_end, dtype=np.int64)
+    if n_items:
+        reqs = np.concatenate(items.requests).astype(np.int64)
+        pair_item = np.repeat(np.arange(n_items), [len(r) for r in items.requests])
+    else:
+        reqs = pair_item = np.zeros(0, dtype=np.int64)
+    n = qo_len[reqs]
+    slot_pair = np.repeat(np.arange(len(reqs)), n)
+    within = np.arange(len(slot_pair)) - np.repeat(np.cumsum(n) - n, n)
+    slot_req = reqs[slot_pair]
+    slot_item = pair_item[slot_pair]
+    slot_tok = qo_indptr[slot_req] + within
+    slot_lim = lens[slot_req] - qo_len[slot_req] + within + 1
+    # A slot whose bound excludes the whole item would only produce an empty partial.
+    keep = slot_lim > it_begin[slot_item]
+    slot_item, slot_tok, slot_lim, slot_req = (
+        slot_item[keep], slot_tok[keep], slot_lim[keep], slot_req[keep]
+    )
+
+    # 2. Row chunks: at most ``max_tokens`` tokens per item (the largest query tile).
+    rank, _ = _segment_rank(slot_item, n_items)
+    chunk_key = slot_item * (num_tokens + 1) + rank // max_tokens
+    chunk_ids, slot_chunk = np.unique(chunk_key, return_inverse=True)
+    chunk_item = chunk_ids // (num_tokens + 1)
+    n_chunks = len(chunk_ids)
+    chunk_first = np.searchsorted(slot_chunk, np.arange(n_chunks))
+    chunk_req = slot_req[chunk_first] if n_chunks else np.zeros(0, dtype=np.int64)
+    chunk_begin = it_begin[chunk_item]
+    chunk_end = np.minimum(
+        it_tok_end[chunk_item],
+        np.maximum.reduceat(slot_lim, chunk_first) if n_chunks else np.zeros(0, dtype=np.int64),
+    )
+
+    # 3. Long-KV split into equal page-aligned parts no longer than the split length.
+    chunk_len = chunk_end - chunk_begin
+    chunk_pages = -(-chunk_len // ps)
+    if split_kv and n_chunks:
+        parts = np.minimum(np.ceil(chunk_len / split_len).astype(np.int64), chunk_pages)
+        parts = np.maximum(parts, 1)
+    else:
+        parts = np.ones(n_chunks, dtype=np.int64)
+    part_chunk = np.repeat(np.arange(n_chunks), parts)
+    part_rank, _ = _segment_rank(part_chunk, n_chunks)
+    pc, pp = chunk_pages[part_chunk], parts[part_chunk]
+    part_begin = chunk_begin[part_chunk] + (part_rank * pc // pp) * ps
+    part_end = np.minimum(chunk_end[part_chunk], chunk_begin[part_chunk] + ((part_rank + 1) * pc // pp) * ps)
+    # Slots of each part: the chunk's slots whose bound reaches into the part.
+    part_first = np.concatenate(([0], np.cumsum(parts)[:-1]))
+    rep = parts[slot_chunk]
+    s_idx = np.repeat(np.arange(len(slot_chunk)), rep)
+    s_rank = np.arange(len(s_idx)) - np.repeat(np.cumsum(rep) - rep, rep)
+    s_part = part_first[slot_chunk[s_idx]] + s_rank
+    order_ = np.lexsort((s_idx, s_part))
+    s_idx, s_part = s_idx[order_], s_part[order_]
+    vis = slot_lim[s_idx] > part_begin[s_part]
+    s_idx, s_part = s_idx[vis], s_part[vis]
+    n_parts = len(part_begin)
+    part_slots = np.bincount(s_part, minlength=n_parts)
+    live = part_slots > 0
+    # Trim each part to the furthest bound among its slots.
+    if len(s_part):
+        starts = np.searchsorted(s_part, np.flatnonzero(live))
+        part_end[live] = np.minimum(part_end[live], np.maximum.reduceat(slot_lim[s_idx], starts))
+
+    # 4. Tiles and order: group by tile, longest KV first inside a group.
+    part_len = part_end - part_begin
+    m_sizes = np.asarray(table.m_sizes)
+    n_bounds = np.asarray([b for b, _ in table.n_by_kv_len])
+    n_sizes = np.asarray([n for _, n in table.n_by_kv_len])
+    mi = np.minimum(np.searchsorted(m_sizes, part_slots * g), len(m_sizes) - 1)
+    ni = np.minimum(np.searchsorted(n_bounds, part_len), len(n_sizes) - 1)
+    key = m_sizes[mi] * 65536 + n_sizes[ni]
+    alive = np.flatnonzero(live)
+    used, tid_alive = np.unique(key[alive], return_inverse=True)
+    tiles = tuple((int(k) // 65536, int(k) % 65536) for k in used)
+    perm = alive[np.lexsort((-part_len[alive], tid_alive))]
+    tid = np.sort(tid_alive)
+    num_items = len(perm)
+    new_id = np.full(n_parts, -1, dtype=np.int64)
+    new_id[perm] = np.arange(num_items)
+    tile_indptr = tuple(np.searchsorted(tid, np.arange(len(tiles) + 1)).tolist())
+
+    # 5. Pages of each item: its representative request's block-table row.
+    w_begin = part_begin[perm]
+    w_len = part_len[perm]
+    w_pages = -(-w_len // ps)
+    w_row = chunk_req[part_chunk[perm]]
+    page_indptr = np.concatenate(([0], np.cumsum(w_pages)))
+    col = np.arange(int(page_indptr[-1])) - np.repeat(page_indptr[:-1], w_pages)
+    col += np.repeat(w_begin // ps, w_pages)
+    pages = block_table[np.repeat(w_row, w_pages), col]
+
+    # 6. Query slots in item order.
+    w_of_slot = new_id[s_part]
+    sorder = np.lexsort((s_idx, w_of_slot))
+    q_item = w_of_slot[sorder]
+    q_src = s_idx[sorder]
+    q_tokens = slot_tok[q_src]
+    q_limit = slot_lim[q_src]
+    q_indptr = np.searchsorted(q_item, np.arange(num_items + 1))
+
+    # 7. Partials only for tokens covered by several slots, grouped by token for the merge.
+    cover = np.bincount(q_tokens, minlength=num_tokens)
+    multi = np.flatnonzero(cover[q_tokens] > 1)
+    by_token = multi[np.argsort(q_tokens[multi], kind="stable")]
+    q_out = np.full(len(q_tokens), -1, dtype=np.int64)
+    q_out[by_token] = np.arange(len(by_token))
+    merge_tokens = np.flatnonzero(cover > 1)
+    merge_indptr = np.concatenate(([0], np.cumsum(cover[merge_tokens])))
+
+    i32 = np.int32
+    host = PlanArrays(
+        kv_page_indptr=page_indptr.astype(i32),
+        kv_pages=np.asarray(pages).astype(i32),
+        kv_start=w_begin.astype(i32),
+        kv_len=w_len.astype(i32),
+        q_indptr=q_indptr.astype(i32),
+        q_tokens=q_tokens.astype(i32),
+        q_limit=q_limit.astype(i32),
+        q_out=q_out.astype(i32),
+        tile_id=tid.astype(i32),
+        tile_indptr=np.asarray(tile_indptr, dtype=i32),
+        merge_tokens=merge_tokens.astype(i32),
+        merge_indptr=merge_indptr.astype(i32),
+        merge_partials=np.arange(len(by_token), dtype=i32),
+    )
+    accounting = {
+        "kv_bytes": shape.kv_bytes(int(w_len.sum())),
+        "partial_bytes": shape.partial_bytes(len(by_token)),
+        "num_partials": len(by_token),
+    }
+    return host, tiles, tile_indptr, accounting
