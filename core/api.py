@@ -137,7 +137,7 @@ class PrefixAttention:
         their block tables should pass those.
         """
         table = _host_int_array("block_table", block_table, ndim=2)
-        lens = _host_int_array("seq_lens", seq_lens, ndim=1)
+        lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64)
         b = table.shape[0]
         if lens.shape[0] != b:
             raise ValueError(
@@ -146,7 +146,7 @@ class PrefixAttention:
         if qo_indptr is None:
             indptr = np.arange(b + 1, dtype=np.int64)
         else:
-            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1)
+            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64)
             if indptr.shape[0] != b + 1:
                 raise ValueError(
                     f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
@@ -160,10 +160,9 @@ class PrefixAttention:
         host, tiles, tile_indptr, acc = pack(
             forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv
         )
+        _check_pages(host.kv_pages, table, lens, self.page_size)
         num_tokens = int(indptr[-1])
-        used = (lens + self.page_size - 1) // self.page_size
-        cols = np.arange(table.shape[1])
-        max_page_id = int(table[cols[None, :] < used[:, None]].max(initial=-1))
+        max_page_id = int(host.kv_pages.max(initial=-1))
         shape = self._shape
         distinct_tokens = int((forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum())
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
@@ -338,7 +337,7 @@ def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
-    return arr.astype(np.int64, copy=False)
+    return arr
 
 
 def _check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int) -> None:
@@ -364,14 +363,15 @@ def _check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page
             f"seq_lens[{b}] = {int(lens[b])} needs {-(-int(lens[b]) // page_size)} pages but "
             f"block_table rows hold {table.shape[1]} (page_size {page_size})"
         )
-    used = (lens + page_size - 1) // page_size
-    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-    bad = in_use & (table < 0)
-    if bad.any():
-        b, j = (int(x) for x in np.argwhere(bad)[0])
+
+
+def _check_pages(pages: np.ndarray, table: np.ndarray, lens: np.ndarray, page_size: int) -> None:
+    """Page ids the plan reads must be valid (only used entries are read; junk is ignored)."""
+    if pages.size and pages.min() < 0:
+        used = (lens + page_size - 1) // page_size
+        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        b, j = (int(x) for x in np.argwhere(in_use & (table < 0))[0])
         raise IndexError(f"block_table[{b}, {j}] = {int(table[b, j])} is a negative page id")
-    if table.size and (table[in_use] >= 2**31).any():
-        raise IndexError("block_table has page ids beyond int32 range")
 
 
 def _to_device(host: PlanArrays, device: torch.device) -> dict[str, torch.Tensor]:

@@ -5,10 +5,10 @@ root per distinct first block; a node is a maximal run of pages shared by the sa
 requests; a request ends at the deepest node on its path (usually a leaf holding its private
 tail, but identical rows or a row that is a prefix of another end at a shared node).
 
-Requests are renumbered in DFS order (``order``) so that every node's requests are one
-contiguous range ``order[req_begin[u]:req_end[u]]``; the forest is built with a handful of
-numpy operations per internal node, so a 256 x 4096-slot table (page size 1) takes a few
-milliseconds.
+Requests are listed in DFS order (``order``) so that every node's requests are one
+contiguous range ``order[req_begin[u]:req_end[u]]``. The build is one sort and one
+vectorised comparison of neighbouring rows plus O(B) host work, so a 256 x 4096-slot table
+(page size 1) takes about a millisecond.
 
 Example (page_size 2)::
 
@@ -40,9 +40,11 @@ class PrefixForest:
         (``min(page_end * page_size, max seq_len below)``); the node starts at
         ``page_begin * page_size``.
     req_begin, req_end: [N] int32, the node's requests are ``order[req_begin:req_end]``.
-    num_ending: [N] int32, how many of them end at this node (they come first in its range).
-    order: [B] int32, request ids in DFS order.
-    children: list of child-id lists.
+    order: [B'] int32, the ids of the requests with KV (seq_len > 0) in DFS order.
+    ending_indptr: [N+1], ending_reqs: [B'] int32: the requests whose rows end at node u are
+        ``ending_reqs[ending_indptr[u]:ending_indptr[u+1]]`` (a leaf's are all of its requests;
+        an inner node has some only for identical rows or rows that are prefixes of others).
+    children: list of child-id lists, in ``order``.
     """
 
     page_size: int
@@ -52,8 +54,9 @@ class PrefixForest:
     token_end: np.ndarray
     req_begin: np.ndarray
     req_end: np.ndarray
-    num_ending: np.ndarray
     order: np.ndarray
+    ending_indptr: np.ndarray
+    ending_reqs: np.ndarray
     children: list[list[int]]
 
     @property
@@ -72,6 +75,9 @@ class PrefixForest:
 
     def requests(self, u: int) -> np.ndarray:
         return self.order[self.req_begin[u] : self.req_end[u]]
+
+    def ending(self, u: int) -> np.ndarray:
+        return self.ending_reqs[self.ending_indptr[u] : self.ending_indptr[u + 1]]
 
     def depth(self) -> np.ndarray:
         d = np.zeros(self.num_nodes, dtype=np.int32)
@@ -132,92 +138,110 @@ def build_forest(
 
     block_table: [B, max_pages] integer; row b's pages are its first
         ``ceil(seq_lens[b] / page_size)`` entries, the rest is ignored.
-    seq_lens: [B] integer, KV length of each request (> 0).
+    seq_lens: [B] integer, KV length of each request; rows of length 0 are left out.
+
+    Method: sort the rows lexicographically (as byte strings: rows sharing a prefix of page
+    ids then sit together whatever the junk past their ends), take the longest common prefix
+    of each neighbouring pair with one vectorised comparison, and build the compressed trie
+    from that LCP array with a stack, the way a suffix tree is built from a suffix array.
     """
-    table = np.ascontiguousarray(block_table)
     lens = np.asarray(seq_lens, dtype=np.int64)
     num_pages = (lens + page_size - 1) // page_size
+    rows = np.flatnonzero(num_pages > 0)
+    width = int(num_pages[rows].max()) if len(rows) else 0
+    table = np.ascontiguousarray(block_table[rows, :width])
+    keys = table.view(np.dtype((np.void, table.dtype.itemsize * width))).ravel()
+    perm = np.argsort(keys, kind="stable")
+    order = rows[perm]
+    npg = num_pages[order]
+    sorted_table = table[perm]
+    if len(order) > 1:
+        differ = sorted_table[1:] != sorted_table[:-1]
+        first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+        lcp = np.minimum(first, np.minimum(npg[1:], npg[:-1])).tolist()
+    else:
+        lcp = []
+    npg_l = npg.tolist()
 
     parent: list[int] = []
     page_begin: list[int] = []
     page_end: list[int] = []
-    token_end: list[int] = []
     req_begin: list[int] = []
     req_end: list[int] = []
-    num_ending: list[int] = []
     children: list[list[int]] = []
-    order: list[int] = []
+    end_node = [0] * len(order)
 
-    def new_node(par: int, begin: int, end: int) -> int:
+    def new_node(par: int, begin: int, end: int, first_req: int) -> int:
         u = len(parent)
         parent.append(par)
         page_begin.append(begin)
         page_end.append(end)
-        token_end.append(0)
-        req_begin.append(len(order))
-        req_end.append(0)
-        num_ending.append(0)
+        req_begin.append(first_req)
+        req_end.append(-1)
         children.append([])
         if par >= 0:
             children[par].append(u)
         return u
 
-    def close(u: int, max_len: int) -> None:
+    stack: list[int] = []  # the open path: the previous row's nodes, root first
+    for i, n in enumerate(npg_l):
+        shared = lcp[i - 1] if i else 0
+        while stack and page_begin[stack[-1]] >= shared:
+            req_end[stack.pop()] = i
+        if stack and page_end[stack[-1]] > shared:
+            # Split the node the two rows diverge inside: its shared head becomes a parent.
+            v = stack.pop()
+            head = new_node(parent[v], page_begin[v], shared, req_begin[v])
+            if parent[v] >= 0:
+                sibs = children[parent[v]]
+                sibs.remove(head)
+                sibs[sibs.index(v)] = head
+            parent[v] = head
+            page_begin[v] = shared
+            children[head].append(v)
+            req_end[v] = i
+            stack.append(head)
+        if n > shared:
+            stack.append(new_node(stack[-1] if stack else -1, shared, n, i))
+        end_node[i] = stack[-1]
+    for u in stack:
         req_end[u] = len(order)
-        token_end[u] = min(page_end[u] * page_size, max_len)
 
-    def split(rows: np.ndarray, col: int, par: int) -> None:
-        # All ``rows`` agree on columns [0, col) and have more than ``col`` pages.
-        vals = table[rows, col]
-        if len(rows) == 1:
-            r = int(rows[0])
-            u = new_node(par, col, int(num_pages[r]))
-            order.append(r)
-            num_ending[u] = 1
-            close(u, int(lens[r]))
-            return
-        perm = np.argsort(vals, kind="stable")
-        rows = rows[perm]
-        vals = vals[perm]
-        cuts = np.flatnonzero(vals[1:] != vals[:-1]) + 1
-        bounds = [0, *cuts.tolist(), len(rows)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            grow(rows[a:b], col, par)
-
-    def grow(rows: np.ndarray, begin: int, par: int) -> None:
-        # ``rows`` agree on columns [0, begin + 1): extend the shared run as far as it goes.
-        if len(rows) == 1:
-            split(rows, begin, par)
-            return
-        np_rows = num_pages[rows]
-        limit = int(np_rows.min())
-        end = begin + 1
-        if limit > end:
-            sub = table[rows, end:limit]
-            same = (sub == sub[0]).all(axis=0)
-            end += int(np.argmin(same)) if not same.all() else limit - end
-        u = new_node(par, begin, end)
-        ending = rows[np_rows == end]
-        order.extend(int(r) for r in ending)
-        num_ending[u] = len(ending)
-        rest = rows[np_rows > end]
-        if len(rest):
-            split(rest, end, u)
-        close(u, int(lens[rows].max()))
-
-    all_rows = np.flatnonzero(num_pages > 0)
-    if len(all_rows):
-        split(all_rows, 0, -1)
-
+    # Renumber in DFS preorder, children in row order, and count the rows ending at each node.
+    num_nodes = len(parent)
+    pre: list[int] = []
+    todo = [u for u in range(num_nodes) if parent[u] < 0][::-1]
+    while todo:
+        u = todo.pop()
+        pre.append(u)
+        todo.extend(children[u][::-1])  # children are created in row order
+    new_id = [0] * num_nodes
+    for k, u in enumerate(pre):
+        new_id[u] = k
+    end_new = np.asarray([new_id[u] for u in end_node], dtype=np.int64)
+    ending = np.bincount(end_new, minlength=num_nodes)
+    ending_reqs = order[np.argsort(end_new, kind="stable")]
+    # Longest sequence below each node, bottom-up.
+    lens_sorted = lens[order]
+    max_len = [0] * num_nodes
+    for i, u in enumerate(end_node):
+        max_len[new_id[u]] = max(max_len[new_id[u]], int(lens_sorted[i]))
+    kids = [[new_id[c] for c in children[u]] for u in pre]
+    par_new = [new_id[parent[u]] if parent[u] >= 0 else -1 for u in pre]
+    for k in range(num_nodes - 1, 0, -1):
+        if par_new[k] >= 0 and max_len[k] > max_len[par_new[k]]:
+            max_len[par_new[k]] = max_len[k]
+    pe = np.asarray([page_end[u] for u in pre], dtype=np.int64)
     return PrefixForest(
         page_size=page_size,
-        parent=np.asarray(parent, dtype=np.int32),
-        page_begin=np.asarray(page_begin, dtype=np.int32),
-        page_end=np.asarray(page_end, dtype=np.int32),
-        token_end=np.asarray(token_end, dtype=np.int64),
-        req_begin=np.asarray(req_begin, dtype=np.int32),
-        req_end=np.asarray(req_end, dtype=np.int32),
-        num_ending=np.asarray(num_ending, dtype=np.int32),
-        order=np.asarray(order, dtype=np.int32),
-        children=children,
+        parent=np.asarray(par_new, dtype=np.int32),
+        page_begin=np.asarray([page_begin[u] for u in pre], dtype=np.int32),
+        page_end=pe.astype(np.int32),
+        token_end=np.minimum(pe * page_size, np.asarray(max_len, dtype=np.int64)),
+        req_begin=np.asarray([req_begin[u] for u in pre], dtype=np.int32),
+        req_end=np.asarray([req_end[u] for u in pre], dtype=np.int32),
+        order=order.astype(np.int32),
+        ending_indptr=np.concatenate(([0], np.cumsum(ending))).astype(np.int32),
+        ending_reqs=ending_reqs.astype(np.int32),
+        children=kids,
     )

@@ -97,7 +97,6 @@ def _items_memory(
     page_begin = forest.page_begin.tolist()
     page_end = forest.page_end.tolist()
     token_end = forest.token_end.tolist()
-    num_ending = forest.num_ending.tolist()
     req_begin = forest.req_begin.tolist()
     req_end = forest.req_end.tolist()
     order = forest.order
@@ -112,7 +111,7 @@ def _items_memory(
             return
         carried = (token_end[u] - carried_begin * ps) * kv_per_position
         rows = below[u] * g  # rows of u's own item while no child is merged
-        keep = [order[req_begin[u] : req_begin[u] + num_ending[u]]]
+        keep = [forest.ending(u)]
         for c in kids:
             rows_c = below[c] * g
             # Merging c: u's item loses c's rows (fewer row-chunks may read the carried KV),
@@ -297,9 +296,19 @@ def pack(
     w_pages = -(-w_len // ps)
     w_row = chunk_req[part_chunk[perm]]
     page_indptr = np.concatenate(([0], np.cumsum(w_pages)))
-    col = np.arange(int(page_indptr[-1])) - np.repeat(page_indptr[:-1], w_pages)
-    col += np.repeat(w_begin // ps, w_pages)
-    pages = block_table[np.repeat(w_row, w_pages), col]
+    first_col = (w_begin // ps).tolist()
+    pages = (
+        np.concatenate(
+            [
+                block_table[r, c : c + n]
+                for r, c, n in zip(w_row.tolist(), first_col, w_pages.tolist(), strict=True)
+            ]
+        )
+        if num_items
+        else np.zeros(0, dtype=np.int32)
+    )
+    if pages.size and pages.max() >= 2**31:
+        raise IndexError(f"block_table holds page id {int(pages.max())}, beyond int32 range")
 
     # 6. Query slots in item order.
     w_of_slot = new_id[s_part]
