@@ -276,6 +276,10 @@ class PrefixAttention:
         ):
             raise ValueError(f"q is on {q.device} but the plan's arrays are on {plan.device}")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if name == "v_cache" and v_cache.dim() == 4 and v_cache.shape[0] != k_cache.shape[0]:
+                raise ValueError(
+                    f"k_cache has {k_cache.shape[0]} pages but v_cache has {v_cache.shape[0]}"
+                )
             if cache.dim() != 4:
                 raise ValueError(
                     f"{name} must be 4-D ({_layout_doc(self.kv_layout)}), got shape {tuple(cache.shape)}"
@@ -301,10 +305,6 @@ class PrefixAttention:
                     f"block_table refers to page {plan.max_page_id} but {name} has only "
                     f"{cache.shape[0]} pages"
                 )
-        if k_cache.shape[0] != v_cache.shape[0]:
-            raise ValueError(
-                f"k_cache has {k_cache.shape[0]} pages but v_cache has {v_cache.shape[0]}"
-            )
         if out is not None:
             if tuple(out.shape) != tuple(q.shape):
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")

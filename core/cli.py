@@ -88,9 +88,12 @@ def demo(argv: list[str] | None = None) -> int:
     v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     q = torch.randn((plan.num_tokens, hq, args.head_dim), generator=gen).to(device, dtype)
     out = pa.run(q, k_cache, v_cache)
-    from . import _ops
+    engine = "PyTorch reference"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        from . import _ops
 
-    engine = "CUDA kernels" if (device.type == "cuda" and _ops.cuda_ops_available()) else "PyTorch reference"
+        if _ops.cuda_ops_available():
+            engine = "CUDA kernels"
     bt = torch.from_numpy(block_table).to(device)
     sl = torch.from_numpy(seq_lens).to(device)
     ref = attention_reference(q, k_cache, v_cache, bt, sl)

@@ -1,0 +1,149 @@
+"""Shared batch generators and plan checks for the CPU tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+
+@dataclasses.dataclass
+class Batch:
+    """A paged batch: block table with junk past each row's pages, lengths, query layout."""
+
+    block_table: np.ndarray  # int32 [B, max_pages]
+    seq_lens: np.ndarray  # int32 [B]
+    qo_indptr: np.ndarray  # int32 [B+1]
+    page_size: int
+    num_pages: int  # pages in the cache (all ids < num_pages)
+
+    @property
+    def qo_lens(self) -> np.ndarray:
+        return np.diff(self.qo_indptr)
+
+
+@st.composite
+def batches(
+    draw: st.DrawFn,
+    max_requests: int = 10,
+    max_pages: int = 10,
+    page_sizes: tuple[int, ...] = (1, 2, 3, 7, 16),
+    max_new_tokens: int = 4,
+    decode_only: bool = False,
+) -> Batch:
+    """Random prefix forests: each request copies a prefix of an earlier row (or none)."""
+    ps = draw(st.sampled_from(page_sizes))
+    b = draw(st.integers(1, max_requests))
+    rows: list[list[int]] = []
+    lens: list[int] = []
+    next_id = 0
+    for i in range(b):
+        parent = draw(st.integers(-1, i - 1))
+        row: list[int] = []
+        if parent >= 0:
+            share = draw(st.integers(0, len(rows[parent])))
+            row = list(rows[parent][:share])
+        extra = draw(st.integers(0 if row else 1, max(max_pages - len(row), 0 if row else 1)))
+        row += list(range(next_id, next_id + extra))
+        next_id += extra
+        rows.append(row)
+        lens.append(draw(st.integers((len(row) - 1) * ps + 1, len(row) * ps)))
+    if decode_only:
+        qo = [1] * b
+    else:
+        qo = [draw(st.integers(0, min(max_new_tokens, n))) for n in lens]
+    width = max(len(r) for r in rows) + draw(st.integers(0, 2))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    num_pages = next_id + int(rng.integers(0, 4))
+    relabel = rng.permutation(num_pages)
+    table = rng.integers(-1, num_pages, size=(b, width))  # junk past each row's pages
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = relabel[r]
+    return Batch(
+        block_table=table.astype(np.int32),
+        seq_lens=np.asarray(lens, dtype=np.int32),
+        qo_indptr=np.concatenate(([0], np.cumsum(qo))).astype(np.int32),
+        page_size=ps,
+        num_pages=num_pages,
+    )
+
+
+def random_cache(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layout: str = "NHD",
+    interleaved: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches; ``interleaved`` keeps K|V in one tensor's last dim (vLLM 0.26)."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "NHD":
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+    else:
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+    if interleaved:
+        both = torch.randn(*shape[:-1], 2 * head_dim, generator=gen).to(dtype)
+        return both[..., :head_dim], both[..., head_dim:]
+    return (
+        torch.randn(shape, generator=gen).to(dtype),
+        torch.randn(shape, generator=gen).to(dtype),
+    )
+
+
+def check_coverage(plan, batch: Batch) -> None:  # type: ignore[no-untyped-def]
+    """Every (token, KV position) pair the token may see is covered exactly once, by pages
+    that are the token's own request's pages, and nothing else is covered."""
+    h = plan.host
+    ps = batch.page_size
+    qo_lens = batch.qo_lens
+    req_of = np.repeat(np.arange(len(qo_lens)), qo_lens)
+    num_tokens = int(batch.qo_indptr[-1])
+    assert plan.num_tokens == num_tokens
+    width = int(batch.seq_lens.max(initial=0)) + 1
+    count = np.zeros((num_tokens, width), dtype=np.int64)
+    expected_limit = np.zeros(num_tokens, dtype=np.int64)
+    for t in range(num_tokens):
+        b = req_of[t]
+        i = t - int(batch.qo_indptr[b])
+        expected_limit[t] = int(batch.seq_lens[b]) - int(qo_lens[b]) + i + 1
+    for w in range(plan.num_work_items):
+        pages = h.kv_pages[h.kv_page_indptr[w] : h.kv_page_indptr[w + 1]]
+        start, n = int(h.kv_start[w]), int(h.kv_len[w])
+        assert start % ps == 0 and n > 0
+        assert len(pages) == -(-n // ps)
+        assert h.q_indptr[w + 1] > h.q_indptr[w], "empty work item"
+        for s in range(h.q_indptr[w], h.q_indptr[w + 1]):
+            t = int(h.q_tokens[s])
+            lim = int(h.q_limit[s])
+            assert lim == expected_limit[t]
+            hi = min(lim, start + n)
+            assert hi > start, "slot sees nothing of its item"
+            cols = np.arange(start // ps, -(-hi // ps))
+            np.testing.assert_array_equal(batch.block_table[req_of[t], cols], pages[: len(cols)])
+            count[t, start:hi] += 1
+    for t in range(num_tokens):
+        lim = expected_limit[t]
+        assert (count[t, :lim] == 1).all(), f"token {t}: positions covered {count[t, :lim]}"
+        assert (count[t, lim:] == 0).all()
+
+
+def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
+    """Tokens with one slot are written directly; others own distinct partial rows."""
+    h = plan.host
+    cover = np.bincount(h.q_tokens, minlength=plan.num_tokens)
+    direct = h.q_out < 0
+    np.testing.assert_array_equal(direct, cover[h.q_tokens] == 1)
+    rows = np.sort(h.q_out[~direct])
+    np.testing.assert_array_equal(rows, np.arange(plan.num_partials))
+    np.testing.assert_array_equal(h.merge_tokens, np.flatnonzero(cover > 1))
+    for i, t in enumerate(h.merge_tokens):
+        parts = h.merge_partials[h.merge_indptr[i] : h.merge_indptr[i + 1]]
+        owners = np.flatnonzero(h.q_out >= 0)
+        mine = owners[h.q_tokens[owners] == t]
+        np.testing.assert_array_equal(np.sort(parts), np.sort(h.q_out[mine]))

@@ -1,0 +1,133 @@
+"""Plan invariants: coverage, merge layout, tiles, byte accounting, the PAT suite."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import Batch, batches, check_coverage, check_merge_layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixattn import PAT_TREES, PrefixAttention, tree_batch
+from prefixattn.packer import MIN_SPLIT_TOKENS
+
+HEADS = [(32, 32), (16, 8), (32, 8), (64, 8)]
+PACKINGS = ("memory", "naive", "per_query")
+
+
+def _plan(batch: Batch, hq: int, hkv: int, packing: str, split_kv: bool, head_dim: int = 64):  # type: ignore[no-untyped-def]
+    pa = PrefixAttention(hq, hkv, head_dim, batch.page_size)
+    return pa.plan(
+        batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batches(),
+    st.sampled_from([(4, 4), (8, 2), (14, 2), (16, 1), (12, 4)]),
+    st.sampled_from(PACKINGS),
+    st.booleans(),
+)
+def test_every_visible_pair_is_covered_once(
+    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool
+) -> None:
+    plan = _plan(batch, *heads, packing, split_kv)
+    check_coverage(plan, batch)
+    check_merge_layout(plan)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(max_requests=40, max_pages=30), st.sampled_from(PACKINGS), st.booleans())
+def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> None:
+    pa = PrefixAttention(32, 8, 128, batch.page_size)
+    plan = pa.plan(batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv)
+    h = plan.host
+    rows = np.diff(h.q_indptr) * 4
+    assert (rows <= pa.tiles.max_rows).all()
+    for t, (m, n) in enumerate(plan.tiles):
+        items = range(plan.tile_indptr[t], plan.tile_indptr[t + 1])
+        assert len(items) > 0
+        for w in items:
+            assert h.tile_id[w] == t
+            assert pa.tiles.select(int(rows[w]), int(h.kv_len[w])) == (m, n)
+        lengths = h.kv_len[plan.tile_indptr[t] : plan.tile_indptr[t + 1]]
+        assert (np.diff(lengths) <= 0).all(), "longest items first inside a tile group"
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(max_requests=12, decode_only=True), st.booleans())
+def test_naive_reads_each_distinct_page_once(batch: Batch, split_kv: bool) -> None:
+    # With every node's query rows inside one tile (12 requests x group 4 <= 128 rows).
+    plan = _plan(batch, 8, 2, "naive", split_kv)
+    assert plan.kv_bytes == plan.distinct_kv_bytes
+    pages = plan.host.kv_pages
+    assert len(np.unique(pages)) == len(pages)
+    used = -(-batch.seq_lens.astype(np.int64) // batch.page_size)
+    mask = np.arange(batch.block_table.shape[1])[None, :] < used[:, None]
+    assert set(pages.tolist()) == set(batch.block_table[mask].tolist())
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(max_requests=30, max_pages=20), st.sampled_from(HEADS), st.booleans())
+def test_memory_never_reads_more_kv_than_per_query(
+    batch: Batch, heads: tuple[int, int], split_kv: bool
+) -> None:
+    memory = _plan(batch, *heads, "memory", split_kv, head_dim=128)
+    per_query = _plan(batch, *heads, "per_query", split_kv, head_dim=128)
+    assert memory.kv_bytes <= per_query.kv_bytes
+    assert per_query.kv_bytes == per_query.query_centric_kv_bytes or not split_kv or (
+        batch.qo_lens.max(initial=0) > 1
+    )
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_memory_packing_moves_fewest_bytes_on_pat_suite(
+    page_size: int, heads: tuple[int, int], split_kv: bool
+) -> None:
+    pa = PrefixAttention(*heads, 128, page_size)
+    for tree in PAT_TREES:
+        table, lens = tree_batch(tree, page_size)
+        total = {
+            p: pa.plan(table, lens, packing=p, split_kv=split_kv).total_bytes for p in PACKINGS
+        }
+        assert total["memory"] <= total["naive"], (tree, total)
+        assert total["memory"] <= total["per_query"], (tree, total)
+
+
+def test_shared_prefix_is_read_once_per_row_chunk() -> None:
+    # 1,4,64_1024,256,128 with 32/8 heads: 64 requests x group 4 = 256 rows on the root.
+    table, lens = tree_batch("1,4,64_1024,256,128", 16)
+    plan = PrefixAttention(32, 8, 128, 16).plan(table, lens, split_kv=False)
+    root_pages = set(table[0, :64].tolist())
+    reads = sum(p in root_pages for p in plan.host.kv_pages.tolist())
+    assert reads == 2 * 64  # two 128-row chunks, each reads the 64 root pages once
+    assert plan.query_centric_kv_bytes / plan.kv_bytes > 7
+
+
+def test_long_kv_split_bounds_item_length() -> None:
+    table, lens = tree_batch("1,10_4096,416", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+    split = pa.plan(table, lens, split_kv=True)
+    whole = pa.plan(table, lens, split_kv=False)
+    assert whole.host.kv_len.max() == 4096
+    node_mean = (4096 + 10 * 416) / 11
+    assert split.host.kv_len.max() <= max(node_mean, MIN_SPLIT_TOKENS) + 16
+    assert split.kv_bytes == whole.kv_bytes
+    assert split.num_work_items > whole.num_work_items
+
+
+def test_plan_arrays_are_int32_on_device() -> None:
+    table, lens = tree_batch("2,8_64,32", 16)
+    plan = PrefixAttention(8, 2, 64, 16).plan(torch.from_numpy(table), torch.from_numpy(lens))
+    for name in ("kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens",
+                 "q_limit", "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials"):
+        t = getattr(plan, name)
+        assert t.dtype == torch.int32 and t.device.type == "cpu", name
+        np.testing.assert_array_equal(t.numpy(), getattr(plan.host, name))
+    assert plan.num_ctas == plan.num_work_items * 2
+    with pytest.raises(Exception):
+        plan.kv_bytes = 0  # type: ignore[misc]
