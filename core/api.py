@@ -140,9 +140,7 @@ class PrefixAttention:
         lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64)
         b = table.shape[0]
         if lens.shape[0] != b:
-            raise ValueError(
-                f"seq_lens has {lens.shape[0]} entries but block_table has {b} rows"
-            )
+            raise ValueError(f"seq_lens has {lens.shape[0]} entries but block_table has {b} rows")
         if qo_indptr is None:
             indptr = np.arange(b + 1, dtype=np.int64)
         else:
@@ -164,7 +162,9 @@ class PrefixAttention:
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
         shape = self._shape
-        distinct_tokens = int((forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum())
+        distinct_tokens = int(
+            (forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum()
+        )
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
         dev = self.device
         extras = {
@@ -263,12 +263,16 @@ class PrefixAttention:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if q.dim() != 3:
-            raise ValueError(f"q must be 3-D [tokens, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+            raise ValueError(
+                f"q must be 3-D [tokens, num_qo_heads, head_dim], got shape {tuple(q.shape)}"
+            )
         expected_q = (plan.num_tokens, self.num_qo_heads, self.head_dim)
         if tuple(q.shape) != expected_q:
             raise ValueError(f"q has shape {tuple(q.shape)}, expected {expected_q} for this plan")
         if q.dtype != self.dtype:
-            raise TypeError(f"q has dtype {q.dtype} but this PrefixAttention was built for {self.dtype}")
+            raise TypeError(
+                f"q has dtype {q.dtype} but this PrefixAttention was built for {self.dtype}"
+            )
         if q.stride(-1) != 1:
             raise ValueError("q must have a contiguous last dimension")
         if q.device.type != plan.device.type or (

@@ -42,9 +42,7 @@ def demo(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16 or fp32")
-    parser.add_argument(
-        "--device", default=None, help="cuda or cpu (default: cuda when available)"
-    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -55,9 +53,11 @@ def demo(argv: list[str] | None = None) -> int:
     block_table, seq_lens = tree_batch(tree, args.page_size, seed=args.seed)
     pa = PrefixAttention(hq, hkv, args.head_dim, args.page_size, device=device, dtype=dtype)
 
-    print(f"tree {tree}: {tree.batch_size} requests of {tree.seq_len} tokens, "
-          f"heads {hq}/{hkv}, head_dim {args.head_dim}, page_size {args.page_size}, "
-          f"{str(dtype).replace('torch.', '')} on {device}")
+    print(
+        f"tree {tree}: {tree.batch_size} requests of {tree.seq_len} tokens, "
+        f"heads {hq}/{hkv}, head_dim {args.head_dim}, page_size {args.page_size}, "
+        f"{str(dtype).replace('torch.', '')} on {device}"
+    )
     plans = {}
     for packing in PACKINGS:
         t0 = time.perf_counter()
@@ -66,8 +66,10 @@ def demo(argv: list[str] | None = None) -> int:
     plan = pa.plan(block_table, seq_lens, packing="memory")
     print("\nprefix forest:")
     print(plan.forest.describe())
-    print(f"\n{'packing':<10} {'items':>6} {'ctas':>6} {'KV MB':>9} {'partial MB':>10} "
-          f"{'total MB':>9} {'vs query-centric KV':>20} {'plan ms':>8}")
+    print(
+        f"\n{'packing':<10} {'items':>6} {'ctas':>6} {'KV MB':>9} {'partial MB':>10} "
+        f"{'total MB':>9} {'vs query-centric KV':>20} {'plan ms':>8}"
+    )
     for packing in PACKINGS:
         p = plans[packing]
         print(
@@ -76,10 +78,14 @@ def demo(argv: list[str] | None = None) -> int:
             f"{p.query_centric_kv_bytes / max(p.kv_bytes, 1):>19.2f}x "
             f"{plans[packing + '_ms']:>8.2f}"
         )
-    print(f"distinct KV: {plan.distinct_kv_bytes / 1e6:.2f} MB; "
-          f"tiles (m x n: items): " + ", ".join(
-              f"{m}x{n}: {plan.tile_indptr[i + 1] - plan.tile_indptr[i]}"
-              for i, (m, n) in enumerate(plan.tiles)))
+    print(
+        f"distinct KV: {plan.distinct_kv_bytes / 1e6:.2f} MB; "
+        f"tiles (m x n: items): "
+        + ", ".join(
+            f"{m}x{n}: {plan.tile_indptr[i + 1] - plan.tile_indptr[i]}"
+            for i, (m, n) in enumerate(plan.tiles)
+        )
+    )
 
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     num_pages = int(block_table.max()) + 1
@@ -101,8 +107,10 @@ def demo(argv: list[str] | None = None) -> int:
     # Tolerance: a few units of the output dtype's rounding on values of magnitude ~1.
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
     ok = err <= tol
-    print(f"\nran with the {engine}: max |out - plain attention| = {err:.2e} "
-          f"(tolerance {tol:.0e}) -> {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"\nran with the {engine}: max |out - plain attention| = {err:.2e} "
+        f"(tolerance {tol:.0e}) -> {'OK' if ok else 'MISMATCH'}"
+    )
     return 0 if ok else 1
 
 
@@ -118,7 +126,9 @@ def plan_bench(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hq, hkv = args.heads
     tree = parse_tree(args.tree)
-    print(f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}")
+    print(
+        f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}"
+    )
     for ps in (int(x) for x in args.page_sizes.split(",")):
         bt, sl = tree_batch(tree, ps)
         pa = PrefixAttention(hq, hkv, 128, ps)
@@ -128,9 +138,11 @@ def plan_bench(argv: list[str] | None = None) -> int:
             pa.plan(bt, sl, packing=args.packing)
             times.append(time.perf_counter() - t0)
         t = np.asarray(times) * 1e3
-        print(f"page_size {ps:>3}: block table {bt.shape[0]}x{bt.shape[1]}, plan median "
-              f"{np.median(t):.3f} ms (min {t.min():.3f}, p90 {np.percentile(t, 90):.3f}) "
-              f"over {args.repeat} runs, {pa.last_plan.num_work_items if pa.last_plan else 0} items")
+        print(
+            f"page_size {ps:>3}: block table {bt.shape[0]}x{bt.shape[1]}, plan median "
+            f"{np.median(t):.3f} ms (min {t.min():.3f}, p90 {np.percentile(t, 90):.3f}) "
+            f"over {args.repeat} runs, {pa.last_plan.num_work_items if pa.last_plan else 0} items"
+        )
     return 0
 
 
@@ -138,16 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: prefixattn {demo,plan-bench,bench} [options]\n"
-              "  demo        plan and run a shared-prefix batch (default when no command)\n"
-              "  plan-bench  time plan construction on the host\n"
-              "  bench       kernel benchmark against the HBM floor and FlashInfer (GPU)")
+        print(
+            "usage: prefixattn {demo,plan-bench,bench} [options]\n"
+            "  demo        plan and run a shared-prefix batch (default when no command)\n"
+            "  plan-bench  time plan construction on the host\n"
+            "  bench       kernel benchmark against the HBM floor and FlashInfer (GPU)"
+        )
         return 0
     if not argv or argv[0].startswith("-"):
         return demo(argv)
     if argv[0] not in commands:
-        print(f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
-              file=sys.stderr)
+        print(
+            f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
+            file=sys.stderr,
+        )
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -131,17 +131,15 @@ class PrefixForest:
         return "\n".join(lines)
 
 
-def build_forest(
-    block_table: np.ndarray, seq_lens: np.ndarray, page_size: int
-) -> PrefixForest:
+def build_forest(block_table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> PrefixForest:
     """Build the prefix forest of ``block_table`` rows truncated to their used pages.
 
     block_table: [B, max_pages] integer; row b's pages are its first
         ``ceil(seq_lens[b] / page_size)`` entries, the rest is ignored.
     seq_lens: [B] integer, KV length of each request; rows of length 0 are left out.
 
-    Method: sort the rows lexicographically (as byte strings: rows sharing a prefix of page
-    ids then sit together whatever the junk past their ends), take the longest common prefix
+    Method: sort the rows lexicographically (as byte strings, ends padded with a value below
+    every page id, so rows sharing a prefix sit together), take the longest common prefix
     of each neighbouring pair with one vectorised comparison, and build the compressed trie
     from that LCP array with a stack, the way a suffix tree is built from a suffix array.
     """
@@ -149,8 +147,15 @@ def build_forest(
     num_pages = (lens + page_size - 1) // page_size
     rows = np.flatnonzero(num_pages > 0)
     width = int(num_pages[rows].max()) if len(rows) else 0
-    table = np.ascontiguousarray(block_table[rows, :width])
-    keys = table.view(np.dtype((np.void, table.dtype.itemsize * width))).ravel()
+    # Page ids + 1 as uint32 with 0 past each row's end: a row that ends sorts before the
+    # rows that extend it, so every set of rows sharing a prefix is one contiguous run.
+    sub = block_table[:, :width] if len(rows) == len(block_table) else block_table[rows, :width]
+    if sub.dtype != np.int32:
+        sub = sub.astype(np.int32)  # ids beyond int32 are rejected once the plan is packed
+    table = sub.view(np.uint32) + np.uint32(1)
+    for i in np.flatnonzero(num_pages[rows] < width).tolist():
+        table[i, num_pages[rows[i]] :] = 0
+    keys = table.view(np.dtype((np.void, 4 * width))).ravel()
     perm = np.argsort(keys, kind="stable")
     order = rows[perm]
     npg = num_pages[order]

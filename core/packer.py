@@ -224,7 +224,10 @@ def pack(
     # A slot whose bound excludes the whole item would only produce an empty partial.
     keep = slot_lim > it_begin[slot_item]
     slot_item, slot_tok, slot_lim, slot_req = (
-        slot_item[keep], slot_tok[keep], slot_lim[keep], slot_req[keep]
+        slot_item[keep],
+        slot_tok[keep],
+        slot_lim[keep],
+        slot_req[keep],
     )
 
     # 2. Row chunks: at most ``max_tokens`` tokens per item (the largest query tile).
@@ -253,7 +256,9 @@ def pack(
     part_rank, _ = _segment_rank(part_chunk, n_chunks)
     pc, pp = chunk_pages[part_chunk], parts[part_chunk]
     part_begin = chunk_begin[part_chunk] + (part_rank * pc // pp) * ps
-    part_end = np.minimum(chunk_end[part_chunk], chunk_begin[part_chunk] + ((part_rank + 1) * pc // pp) * ps)
+    part_end = np.minimum(
+        chunk_end[part_chunk], chunk_begin[part_chunk] + ((part_rank + 1) * pc // pp) * ps
+    )
     # Slots of each part: the chunk's slots whose bound reaches into the part.
     part_first = np.concatenate(([0], np.cumsum(parts)[:-1]))
     rep = parts[slot_chunk]

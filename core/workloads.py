@@ -13,6 +13,7 @@ pages are not adjacent in memory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def parse_tree(spec: str) -> TreeSpec:
         raise ValueError(f"bad tree {spec!r}: {len(counts)} counts but {len(tokens)} token sizes")
     if any(c <= 0 for c in counts) or any(t <= 0 for t in tokens):
         raise ValueError(f"bad tree {spec!r}: counts and token sizes must be positive")
-    for a, b in zip(counts[:-1], counts[1:], strict=True):
+    for a, b in itertools.pairwise(counts):
         if b % a:
             raise ValueError(f"bad tree {spec!r}: level of {b} nodes under {a} is not uniform")
     return TreeSpec(counts, tokens)

@@ -50,10 +50,7 @@ def batches(
         next_id += extra
         rows.append(row)
         lens.append(draw(st.integers((len(row) - 1) * ps + 1, len(row) * ps)))
-    if decode_only:
-        qo = [1] * b
-    else:
-        qo = [draw(st.integers(0, min(max_new_tokens, n))) for n in lens]
+    qo = [1] * b if decode_only else [draw(st.integers(0, min(max_new_tokens, n))) for n in lens]
     width = max(len(r) for r in rows) + draw(st.integers(0, 2))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)

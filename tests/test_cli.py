@@ -43,7 +43,10 @@ def test_console_script_is_installed() -> None:
         pytest.skip("package not installed (running from a source tree)")
     done = subprocess.run(
         [exe, "demo", "--tree", "1,2_16,3", "--heads", "4/4", "--page-size", "4"],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert "-> OK" in done.stdout
@@ -51,7 +54,10 @@ def test_console_script_is_installed() -> None:
 
 def test_module_entry() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "prefixattn.cli", "--help"], capture_output=True, text=True,
-        timeout=120, check=False,
+        [sys.executable, "-m", "prefixattn.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0 and "demo" in done.stdout

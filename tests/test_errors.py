@@ -56,7 +56,7 @@ def test_constructor_rejects_dtype() -> None:
         (TABLE, LENS, np.array([0, 1]), ValueError, "qo_indptr must have B\\+1 = 3 entries"),
         (TABLE, LENS, np.array([1, 2, 3]), ValueError, "qo_indptr must start at 0"),
         (TABLE, LENS, np.array([0, 2, 1]), ValueError, "decreasing at request 1"),
-        (TABLE, LENS, np.array([0, 10, 21]), ValueError, "seq_lens must include the new tokens"),
+        (TABLE, LENS, np.array([0, 10, 21]), ValueError, r"seq_lens must include the new tokens"),
         (np.array([[0, 1, 2], [0, -5, 3]]), LENS, None, IndexError, r"block_table\[1, 1\] = -5"),
         (TABLE, LENS, np.array([[0, 1, 2]]), ValueError, "qo_indptr must be 1-D"),
     ],
@@ -69,7 +69,7 @@ def test_plan_rejects(table, lens, qo_indptr, error, message) -> None:  # type: 
 def test_plan_rejects_wrong_tensor_dtype_and_packing() -> None:
     with pytest.raises(TypeError, match="block_table must be an int32 tensor"):
         _pa().plan(torch.from_numpy(TABLE).float(), LENS)
-    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor or numpy array"):
+    with pytest.raises(TypeError, match=r"seq_lens must be a torch\.Tensor or numpy array"):
         _pa().plan(TABLE, [9, 10])
     with pytest.raises(ValueError, match="unknown packing 'greedy'"):
         _pa().plan(TABLE, LENS, packing="greedy")
@@ -99,15 +99,25 @@ def test_run_rejects_page_ids_beyond_the_cache() -> None:
         (lambda q, k, v: (q.half(), k, v), TypeError, "q has dtype torch.float16"),
         (lambda q, k, v: (q, k.double(), v), TypeError, "k_cache has dtype torch.float64"),
         (lambda q, k, v: (q[0], k, v), ValueError, "q must be 3-D"),
-        (lambda q, k, v: (q[:1], k, v), ValueError, r"q has shape \(1, 8, 64\), expected \(2, 8, 64\)"),
+        (
+            lambda q, k, v: (q[:1], k, v),
+            ValueError,
+            r"q has shape \(1, 8, 64\), expected \(2, 8, 64\)",
+        ),
         (lambda q, k, v: (q, k[0], v), ValueError, "k_cache must be 4-D"),
         (lambda q, k, v: (q, k[:, :2], v), ValueError, "page_size=4"),
         (lambda q, k, v: (q, k, v[:, :, :1]), ValueError, "num_kv_heads=2"),
         (lambda q, k, v: (q, k, v[:3]), ValueError, "k_cache has 4 pages but v_cache has 3"),
-        (lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError,
-         "q must have a contiguous last dimension"),
-        (lambda q, k, v: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v), ValueError,
-         "k_cache must have a contiguous last dimension"),
+        (
+            lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v),
+            ValueError,
+            "q must have a contiguous last dimension",
+        ),
+        (
+            lambda q, k, v: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v),
+            ValueError,
+            "k_cache must have a contiguous last dimension",
+        ),
         (lambda q, k, v: (q, k.to("meta"), v), ValueError, "k_cache is on meta but q is on cpu"),
         (lambda q, k, v: (q.to("meta"), k, v), ValueError, "q is on meta but the plan's arrays"),
         (lambda q, k, v: ("q", k, v), TypeError, "q must be a torch.Tensor"),

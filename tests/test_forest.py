@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from conftest import Batch, batches
 from hypothesis import given, settings
@@ -68,7 +70,7 @@ def test_forest_reproduces_every_row(batch: Batch) -> None:
     for r, chain in paths.items():
         # The chain tiles the row's used pages exactly, node after node.
         assert chain[0][1] == 0 and chain[-1][2] == used[r]
-        for (_, _, e), (_, b, _) in zip(chain[:-1], chain[1:], strict=True):
+        for (_, _, e), (_, b, _) in itertools.pairwise(chain):
             assert e == b
         for u, b, e in chain:
             assert r in f.requests(u)

@@ -42,7 +42,9 @@ def test_every_visible_pair_is_covered_once(
 @given(batches(max_requests=40, max_pages=30), st.sampled_from(PACKINGS), st.booleans())
 def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> None:
     pa = PrefixAttention(32, 8, 128, batch.page_size)
-    plan = pa.plan(batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv)
+    plan = pa.plan(
+        batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv
+    )
     h = plan.host
     rows = np.diff(h.q_indptr) * 4
     assert (rows <= pa.tiles.max_rows).all()
@@ -77,8 +79,10 @@ def test_memory_never_reads_more_kv_than_per_query(
     memory = _plan(batch, *heads, "memory", split_kv, head_dim=128)
     per_query = _plan(batch, *heads, "per_query", split_kv, head_dim=128)
     assert memory.kv_bytes <= per_query.kv_bytes
-    assert per_query.kv_bytes == per_query.query_centric_kv_bytes or not split_kv or (
-        batch.qo_lens.max(initial=0) > 1
+    assert (
+        per_query.kv_bytes == per_query.query_centric_kv_bytes
+        or not split_kv
+        or (batch.qo_lens.max(initial=0) > 1)
     )
 
 
@@ -123,11 +127,25 @@ def test_long_kv_split_bounds_item_length() -> None:
 def test_plan_arrays_are_int32_on_device() -> None:
     table, lens = tree_batch("2,8_64,32", 16)
     plan = PrefixAttention(8, 2, 64, 16).plan(torch.from_numpy(table), torch.from_numpy(lens))
-    for name in ("kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens",
-                 "q_limit", "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials"):
+    for name in (
+        "kv_page_indptr",
+        "kv_pages",
+        "kv_start",
+        "kv_len",
+        "q_indptr",
+        "q_tokens",
+        "q_limit",
+        "q_out",
+        "tile_id",
+        "merge_tokens",
+        "merge_indptr",
+        "merge_partials",
+    ):
         t = getattr(plan, name)
         assert t.dtype == torch.int32 and t.device.type == "cpu", name
         np.testing.assert_array_equal(t.numpy(), getattr(plan.host, name))
     assert plan.num_ctas == plan.num_work_items * 2
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.kv_bytes = 0  # type: ignore[misc]

@@ -22,8 +22,18 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.double() - ref.double()).abs().max().item() / max(scale, 1e-30)
 
 
-def _run(batch: Batch, hq: int, hkv: int, d: int, dtype: torch.dtype, packing: str,
-         split_kv: bool, layout: str = "NHD", interleaved: bool = False, seed: int = 0):  # type: ignore[no-untyped-def]
+def _run(
+    batch: Batch,
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    packing: str,
+    split_kv: bool,
+    layout: str = "NHD",
+    interleaved: bool = False,
+    seed: int = 0,
+):  # type: ignore[no-untyped-def]
     k, v = random_cache(batch.num_pages, batch.page_size, hkv, d, dtype, layout, interleaved, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(int(batch.qo_indptr[-1]), hq, d, generator=gen).to(dtype)
@@ -31,8 +41,13 @@ def _run(batch: Batch, hq: int, hkv: int, d: int, dtype: torch.dtype, packing: s
     pa.plan(batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv)
     out = pa.run(q, k, v)
     ref = attention_reference(
-        q.double(), k.double(), v.double(), torch.from_numpy(batch.block_table),
-        torch.from_numpy(batch.seq_lens), torch.from_numpy(batch.qo_indptr), kv_layout=layout,
+        q.double(),
+        k.double(),
+        v.double(),
+        torch.from_numpy(batch.block_table),
+        torch.from_numpy(batch.seq_lens),
+        torch.from_numpy(batch.qo_indptr),
+        kv_layout=layout,
     )
     return out, ref
 
@@ -47,7 +62,11 @@ def _run(batch: Batch, hq: int, hkv: int, d: int, dtype: torch.dtype, packing: s
     st.booleans(),
 )
 def test_float32_matches_float64_attention(
-    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool, layout: str,
+    batch: Batch,
+    heads: tuple[int, int],
+    packing: str,
+    split_kv: bool,
+    layout: str,
     interleaved: bool,
 ) -> None:
     out, ref = _run(batch, *heads, 64, torch.float32, packing, split_kv, layout, interleaved)
@@ -79,8 +98,9 @@ def test_pat_tree_with_prefill_and_speculative_queries() -> None:
     # Requests of 1, 3 and 17 new tokens (decode, speculative verification, chunked prefill).
     table, lens = tree_batch("1,2,6_64,32,21", page_size=16)
     qo = np.array([1, 3, 17, 1, 2, 1])
-    batch = Batch(table, lens, np.concatenate(([0], np.cumsum(qo))).astype(np.int32), 16,
-                  int(table.max()) + 1)
+    batch = Batch(
+        table, lens, np.concatenate(([0], np.cumsum(qo))).astype(np.int32), 16, int(table.max()) + 1
+    )
     for packing in PACKINGS:
         out, ref = _run(batch, 12, 4, 128, torch.float32, packing, True)
         assert _relative_error(out, ref) < 1e-5

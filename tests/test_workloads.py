@@ -17,8 +17,13 @@ def test_parse() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("1,4,64", "counts_tokens"), ("1,4_10", "2 counts but 1"), ("3,4_8,8", "not uniform"),
-     ("1,0_8,8", "positive"), ("a_b", "counts_tokens")],
+    [
+        ("1,4,64", "counts_tokens"),
+        ("1,4_10", "2 counts but 1"),
+        ("3,4_8,8", "not uniform"),
+        ("1,0_8,8", "positive"),
+        ("a_b", "counts_tokens"),
+    ],
 )
 def test_parse_rejects(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
