@@ -15,11 +15,11 @@ Example (page_size 2)::
     block_table = [[7, 3, 5],  seq_lens = [6, 5, 3]
                    [7, 3, 9],
                    [7, 4, 0]]           # row 2 has 2 pages; the 0 past them is ignored
-    node 0: pages [0, 1) = [7]      positions [0, 2)  requests {0, 1, 2}
-    node 1: pages [1, 2) = [3]      positions [2, 4)  requests {0, 1}      parent 0
-    node 2: pages [2, 3) = [5]      positions [4, 6)  request 0            parent 1
-    node 3: pages [2, 3) = [9]      positions [4, 5)  request 1            parent 1
-    node 4: pages [1, 2) = [4]      positions [2, 3)  request 2            parent 0
+    root   pages [0, 1) = [7]      positions [0, 2)  requests {0, 1, 2}
+    ├── pages [1, 2) = [3]          positions [2, 4)  requests {0, 1}
+    │   ├── pages [2, 3) = [5]      positions [4, 6)  request 0
+    │   └── pages [2, 3) = [9]      positions [4, 5)  request 1
+    └── pages [1, 2) = [4]          positions [2, 3)  request 2
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class PrefixForest:
-    """Nodes in DFS preorder; a parent precedes its children.
+    """Nodes of the forest; ``children`` lists each node's children in ``order``.
 
     parent: [N] int32, -1 for a root.
     page_begin, page_end: [N] int32, the node's pages are ``block_table[r, page_begin:page_end]``
@@ -81,9 +81,12 @@ class PrefixForest:
 
     def depth(self) -> np.ndarray:
         d = np.zeros(self.num_nodes, dtype=np.int32)
-        for u in range(self.num_nodes):
-            if self.parent[u] >= 0:
-                d[u] = d[self.parent[u]] + 1
+        todo = self.roots
+        while todo:
+            u = todo.pop()
+            for c in self.children[u]:
+                d[c] = d[u] + 1
+                todo.append(c)
         return d
 
     def describe(self, max_lines: int = 40) -> str:
@@ -206,47 +209,42 @@ def build_forest(block_table: np.ndarray, seq_lens: np.ndarray, page_size: int) 
             children[head].append(v)
             req_end[v] = i
             stack.append(head)
-        if n > shared:
-            stack.append(new_node(stack[-1] if stack else -1, shared, n, i))
+        if n > shared:  # a new node for the row's own pages (new_node, inlined: hot)
+            u = len(parent)
+            par = stack[-1] if stack else -1
+            parent.append(par)
+            page_begin.append(shared)
+            page_end.append(n)
+            req_begin.append(i)
+            req_end.append(-1)
+            children.append([])
+            if par >= 0:
+                children[par].append(u)
+            stack.append(u)
         end_node[i] = stack[-1]
     for u in stack:
         req_end[u] = len(order)
 
-    # Renumber in DFS preorder, children in row order, and count the rows ending at each node.
+    # A node with children ends at its last page; a leaf (or a node all of whose rows end in
+    # it) where its longest row ends.
     num_nodes = len(parent)
-    pre: list[int] = []
-    todo = [u for u in range(num_nodes) if parent[u] < 0][::-1]
-    while todo:
-        u = todo.pop()
-        pre.append(u)
-        todo.extend(children[u][::-1])  # children are created in row order
-    new_id = [0] * num_nodes
-    for k, u in enumerate(pre):
-        new_id[u] = k
-    end_new = np.asarray([new_id[u] for u in end_node], dtype=np.int64)
-    ending = np.bincount(end_new, minlength=num_nodes)
-    ending_reqs = order[np.argsort(end_new, kind="stable")]
-    # Longest sequence below each node, bottom-up.
-    lens_sorted = lens[order]
-    max_len = [0] * num_nodes
-    for i, u in enumerate(end_node):
-        max_len[new_id[u]] = max(max_len[new_id[u]], int(lens_sorted[i]))
-    kids = [[new_id[c] for c in children[u]] for u in pre]
-    par_new = [new_id[parent[u]] if parent[u] >= 0 else -1 for u in pre]
-    for k in range(num_nodes - 1, 0, -1):
-        if par_new[k] >= 0 and max_len[k] > max_len[par_new[k]]:
-            max_len[par_new[k]] = max_len[k]
-    pe = np.asarray([page_end[u] for u in pre], dtype=np.int64)
+    end_arr = np.asarray(end_node, dtype=np.int64)
+    ending = np.bincount(end_arr, minlength=num_nodes)
+    by_end = np.argsort(end_arr, kind="stable")
+    max_len = np.zeros(num_nodes, dtype=np.int64)
+    np.maximum.at(max_len, end_arr, lens[order])
+    pe = np.asarray(page_end, dtype=np.int64)
+    has_kids = np.asarray([bool(c) for c in children])
     return PrefixForest(
         page_size=page_size,
-        parent=np.asarray(par_new, dtype=np.int32),
-        page_begin=np.asarray([page_begin[u] for u in pre], dtype=np.int32),
+        parent=np.asarray(parent, dtype=np.int32),
+        page_begin=np.asarray(page_begin, dtype=np.int32),
         page_end=pe.astype(np.int32),
-        token_end=np.minimum(pe * page_size, np.asarray(max_len, dtype=np.int64)),
-        req_begin=np.asarray([req_begin[u] for u in pre], dtype=np.int32),
-        req_end=np.asarray([req_end[u] for u in pre], dtype=np.int32),
+        token_end=np.where(has_kids, pe * page_size, max_len) if num_nodes else pe,
+        req_begin=np.asarray(req_begin, dtype=np.int32),
+        req_end=np.asarray(req_end, dtype=np.int32),
         order=order.astype(np.int32),
         ending_indptr=np.concatenate(([0], np.cumsum(ending))).astype(np.int32),
-        ending_reqs=ending_reqs.astype(np.int32),
-        children=kids,
+        ending_reqs=order[by_end].astype(np.int32),
+        children=children,
     )

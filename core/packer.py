@@ -68,25 +68,22 @@ class BatchShape:
 
 
 class _Items:
-    """Work items before layout: KV page ranges and the requests each one serves."""
+    """Work items before layout: a KV page range each, and the requests it serves as runs of
+    ``members`` (the forest's DFS order, or plain request ids for ``per_query``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: np.ndarray) -> None:
+        self.members = members
         self.page_begin: list[int] = []
-        self.page_end: list[int] = []
         self.token_end: list[int] = []
-        self.requests: list[np.ndarray] = []
-
-    def add(self, page_begin: int, page_end: int, token_end: int, requests: np.ndarray) -> None:
-        self.page_begin.append(page_begin)
-        self.page_end.append(page_end)
-        self.token_end.append(token_end)
-        self.requests.append(requests)
+        self.run_item: list[int] = []
+        self.run_begin: list[int] = []
+        self.run_end: list[int] = []
 
 
 def _items_memory(
     forest: PrefixForest, shape: BatchShape, qo_len: np.ndarray, max_rows: int, split_len: float
 ) -> _Items:
-    items = _Items()
+    items = _Items(forest.order)
     ps = forest.page_size
     g = shape.group_size
     partial_per_token = shape.partial_bytes(1)
@@ -95,65 +92,84 @@ def _items_memory(
     csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
     below = (csum[forest.req_end] - csum[forest.req_begin]).tolist()
     page_begin = forest.page_begin.tolist()
-    page_end = forest.page_end.tolist()
     token_end = forest.token_end.tolist()
     req_begin = forest.req_begin.tolist()
     req_end = forest.req_end.tolist()
-    order = forest.order
-
-    def reads(rows: int) -> int:
-        return -(-rows // max_rows)
+    children = forest.children
+    it_begin, it_end = items.page_begin, items.token_end
+    run_item, run_begin, run_end = items.run_item, items.run_begin, items.run_end
 
     def visit(u: int, carried_begin: int) -> None:
-        kids = forest.children[u]
-        if not kids:
-            items.add(carried_begin, page_end[u], token_end[u], order[req_begin[u] : req_end[u]])
-            return
         carried = (token_end[u] - carried_begin * ps) * kv_per_position
         rows = below[u] * g  # rows of u's own item while no child is merged
-        keep = [forest.ending(u)]
-        for c in kids:
+        cursor = req_begin[u]  # u's item serves u's range minus the merged children's
+        w = len(it_begin)
+        it_begin.append(carried_begin)
+        it_end.append(token_end[u])
+        for c in children[u]:
             rows_c = below[c] * g
             # Merging c: u's item loses c's rows (fewer row-chunks may read the carried KV),
             # c's item reads the carried KV once per its own row-chunk, and c's tokens skip
-            # one partial round trip.
-            saved = (reads(rows) - reads(rows - rows_c)) * carried + below[c] * partial_per_token
-            # An item longer than the split length is cut again, undoing the merge.
-            fits = token_end[c] - carried_begin * ps <= split_len
-            if fits and saved > reads(rows_c) * carried:
+            # one partial round trip. An item longer than the split length would be cut
+            # again, undoing the merge.
+            saved = (
+                (-(-rows // max_rows) - -(-(rows - rows_c) // max_rows)) * carried
+                + below[c] * partial_per_token
+            )
+            if (
+                token_end[c] - carried_begin * ps <= split_len
+                and saved > -(-rows_c // max_rows) * carried
+            ):
                 rows -= rows_c
-                visit(c, carried_begin)
+                run_item.append(w)
+                run_begin.append(cursor)
+                run_end.append(req_begin[c])
+                cursor = req_end[c]
+                start = carried_begin
             else:
-                visit(c, page_begin[c])
-                keep.append(order[req_begin[c] : req_end[c]])
-        kept = np.concatenate(keep)
-        if len(kept):
-            items.add(carried_begin, page_end[u], token_end[u], kept)
+                start = page_begin[c]
+            if children[c]:
+                visit(c, start)
+            else:  # a leaf: its own item over [start, its end)
+                run_item.append(len(it_begin))
+                run_begin.append(req_begin[c])
+                run_end.append(req_end[c])
+                it_begin.append(start)
+                it_end.append(token_end[c])
+        run_item.append(w)
+        run_begin.append(cursor)
+        run_end.append(req_end[u])
 
     for root in forest.roots:
-        visit(root, page_begin[root])
+        if children[root]:
+            visit(root, page_begin[root])
+        else:
+            run_item.append(len(it_begin))
+            run_begin.append(req_begin[root])
+            run_end.append(req_end[root])
+            it_begin.append(page_begin[root])
+            it_end.append(token_end[root])
     return items
 
 
 def _items_naive(forest: PrefixForest) -> _Items:
-    items = _Items()
-    for u in range(forest.num_nodes):
-        items.add(
-            int(forest.page_begin[u]),
-            int(forest.page_end[u]),
-            int(forest.token_end[u]),
-            forest.requests(u),
-        )
+    items = _Items(forest.order)
+    items.page_begin = forest.page_begin.tolist()
+    items.token_end = forest.token_end.tolist()
+    items.run_item = list(range(forest.num_nodes))
+    items.run_begin = forest.req_begin.tolist()
+    items.run_end = forest.req_end.tolist()
     return items
 
 
 def _items_per_query(num_pages: np.ndarray, seq_lens: np.ndarray) -> _Items:
-    items = _Items()
     rows = np.flatnonzero(num_pages > 0)
+    items = _Items(rows)
     items.page_begin = [0] * len(rows)
-    items.page_end = num_pages[rows].tolist()
     items.token_end = seq_lens[rows].tolist()
-    items.requests = list(rows.astype(np.int32).reshape(-1, 1))
+    items.run_item = list(range(len(rows)))
+    items.run_begin = list(range(len(rows)))
+    items.run_end = list(range(1, len(rows) + 1))
     return items
 
 
@@ -206,14 +222,18 @@ def pack(
     num_tokens = int(qo_indptr[-1])
 
     # 1. Query slots: every new token of every request of every item, with its causal bound.
-    n_items = len(items.requests)
+    n_items = len(items.page_begin)
     it_begin = np.asarray(items.page_begin, dtype=np.int64) * ps  # first position
     it_tok_end = np.asarray(items.token_end, dtype=np.int64)
-    if n_items:
-        reqs = np.concatenate(items.requests).astype(np.int64)
-        pair_item = np.repeat(np.arange(n_items), [len(r) for r in items.requests])
-    else:
-        reqs = pair_item = np.zeros(0, dtype=np.int64)
+    run_item = np.asarray(items.run_item, dtype=np.int64)
+    run_begin = np.asarray(items.run_begin, dtype=np.int64)
+    run_len = np.asarray(items.run_end, dtype=np.int64) - run_begin
+    by_item = np.argsort(run_item, kind="stable")
+    run_item, run_begin, run_len = run_item[by_item], run_begin[by_item], run_len[by_item]
+    pair_item = np.repeat(run_item, run_len)
+    offsets = np.cumsum(run_len) - run_len
+    pos = np.arange(len(pair_item)) - np.repeat(offsets - run_begin, run_len)
+    reqs = items.members[pos].astype(np.int64)
     n = qo_len[reqs]
     slot_pair = np.repeat(np.arange(len(reqs)), n)
     within = np.arange(len(slot_pair)) - np.repeat(np.cumsum(n) - n, n)
@@ -232,11 +252,11 @@ def pack(
 
     # 2. Row chunks: at most ``max_tokens`` tokens per item (the largest query tile).
     rank, _ = _segment_rank(slot_item, n_items)
-    chunk_key = slot_item * (num_tokens + 1) + rank // max_tokens
-    chunk_ids, slot_chunk = np.unique(chunk_key, return_inverse=True)
-    chunk_item = chunk_ids // (num_tokens + 1)
-    n_chunks = len(chunk_ids)
-    chunk_first = np.searchsorted(slot_chunk, np.arange(n_chunks))
+    opens = rank % max_tokens == 0  # slots are sorted by item: a chunk opens every max_tokens
+    chunk_first = np.flatnonzero(opens)
+    slot_chunk = np.cumsum(opens) - 1
+    chunk_item = slot_item[chunk_first]
+    n_chunks = len(chunk_first)
     chunk_req = slot_req[chunk_first] if n_chunks else np.zeros(0, dtype=np.int64)
     chunk_begin = it_begin[chunk_item]
     chunk_end = np.minimum(
