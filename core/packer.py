@@ -321,17 +321,19 @@ def pack(
     w_pages = -(-w_len // ps)
     w_row = chunk_req[part_chunk[perm]]
     page_indptr = np.concatenate(([0], np.cumsum(w_pages)))
-    first_col = (w_begin // ps).tolist()
-    pages = (
-        np.concatenate(
+    total_pages = int(page_indptr[-1])
+    if total_pages <= 16 * max(num_items, 1):
+        # Few pages per item: one gather is cheaper than a slice per item.
+        col = np.arange(total_pages) + np.repeat(w_begin // ps - page_indptr[:-1], w_pages)
+        pages = block_table[np.repeat(w_row, w_pages), col]
+    else:
+        first_col = (w_begin // ps).tolist()
+        pages = np.concatenate(
             [
                 block_table[r, c : c + n]
                 for r, c, n in zip(w_row.tolist(), first_col, w_pages.tolist(), strict=True)
             ]
         )
-        if num_items
-        else np.zeros(0, dtype=np.int32)
-    )
     if pages.size and pages.max() >= 2**31:
         raise IndexError(f"block_table holds page id {int(pages.max())}, beyond int32 range")
 
