@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .buffers import COUNTS, PlanBuffers, load_on_host
 from .forest import build_forest
 from .packer import PACKINGS, BatchShape, pack
-from .plan import LaunchPlan, PlanArrays
+from .plan import LaunchPlan
 from .reference import run_plan_reference
 from .schedule import schedule_arrays
 from .tiles import SUPPORTED_HEAD_DIMS, tile_table
@@ -99,6 +100,34 @@ class PrefixAttention:
         )
         self._plan: LaunchPlan | None = None
         self._workspace: Any = None
+        self._buffers: PlanBuffers | None = None
+
+    @property
+    def buffers_generation(self) -> int:
+        """Bumped whenever a plan outgrows the device buffers its arrays live in (CUDA only).
+
+        A CUDA graph captured over :meth:`run` stays valid across plans while this value is
+        unchanged; call :meth:`reserve` before capturing to size the buffers for the largest
+        batch.
+        """
+        return 0 if self._buffers is None else self._buffers.generation
+
+    def reserve(self, num_work_items: int, num_pages: int, num_slots: int, num_tokens: int) -> None:
+        """Size the plan's device buffers (CUDA devices) for plans up to these counts.
+
+        num_work_items: work items; num_pages: page ids over all items (at most the query-
+        centric total); num_slots: (item, token) pairs; num_tokens: tokens per step.
+        """
+        if self.device.type != "cuda":
+            return
+        if self._buffers is None:
+            self._buffers = PlanBuffers(self.device)
+        w, p, s, t = num_work_items, num_pages, num_slots, num_tokens
+        self._buffers.reserve(
+            kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
+            q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
+            merge_partials=s, counts=len(COUNTS),
+        )  # fmt: skip
 
     @property
     def last_plan(self) -> LaunchPlan | None:
@@ -166,11 +195,21 @@ class PrefixAttention:
             (forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum()
         )
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
+        counts = np.asarray(
+            [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
+             acc["num_partials"], num_tokens],
+            dtype=np.int32,
+        )  # fmt: skip
+        extra_arrays = schedule_arrays(host, self.num_kv_heads)
+        arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | extra_arrays | {"counts": counts}
         dev = self.device
-        extras = {
-            k: torch.as_tensor(v, dtype=torch.int32).to(dev)
-            for k, v in schedule_arrays(host, self.num_kv_heads).items()
-        }
+        if dev.type == "cuda":
+            if self._buffers is None:
+                self._buffers = PlanBuffers(dev)
+            views = self._buffers.load(arrays)
+        else:
+            views = load_on_host(arrays)
+        extras = {k: views[k] for k in extra_arrays}
         plan = LaunchPlan(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,
@@ -194,7 +233,8 @@ class PrefixAttention:
             query_centric_kv_bytes=shape.kv_bytes(int(lens[np.diff(indptr) > 0].sum())),
             qo_bytes=qo_bytes,
             device=dev,
-            **_to_device(host, dev),
+            **{n: views[n] for n in _DEVICE_ARRAYS},
+            counts=views["counts"],
             extras=extras,
             host=host,
             forest=forest,
@@ -378,19 +418,7 @@ def _check_pages(pages: np.ndarray, table: np.ndarray, lens: np.ndarray, page_si
         raise IndexError(f"block_table[{b}, {j}] = {int(table[b, j])} is a negative page id")
 
 
-def _to_device(host: PlanArrays, device: torch.device) -> dict[str, torch.Tensor]:
-    names = (
-        "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens",
-        "q_limit", "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials",
-    )  # fmt: skip
-    if device.type == "cpu":
-        return {n: torch.from_numpy(getattr(host, n)) for n in names}
-    # One host-to-device copy for all arrays.
-    arrays = [getattr(host, n) for n in names]
-    flat = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(device, non_blocking=True)
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for n, a in zip(names, arrays, strict=True):
-        out[n] = flat[offset : offset + len(a)]
-        offset += len(a)
-    return out
+_DEVICE_ARRAYS = (
+    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials",
+)  # fmt: skip

@@ -112,10 +112,9 @@ def _items_memory(
             # c's item reads the carried KV once per its own row-chunk, and c's tokens skip
             # one partial round trip. An item longer than the split length would be cut
             # again, undoing the merge.
-            saved = (
-                (-(-rows // max_rows) - -(-(rows - rows_c) // max_rows)) * carried
-                + below[c] * partial_per_token
-            )
+            saved = (-(-rows // max_rows) - -(-(rows - rows_c) // max_rows)) * carried + below[
+                c
+            ] * partial_per_token
             if (
                 token_end[c] - carried_begin * ps <= split_len
                 and saved > -(-rows_c // max_rows) * carried

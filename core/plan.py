@@ -28,7 +28,9 @@ Worked example (page_size 2, two requests sharing pages 7 and 3, one query each)
     items 0 and 2, so 4 partial rows and 2 merged tokens.
 
 All integer arrays are int32 (numpy on the host in ``host``; torch tensors on the plan's
-device as attributes). They are ordered by tile group: items ``tile_indptr[t] ..
+device as attributes). On a CUDA device the tensors are views of buffers owned by the
+``PrefixAttention`` that built the plan: they keep their addresses across plans (for CUDA
+graphs) and are overwritten by its next ``plan()`` call. They are ordered by tile group: items ``tile_indptr[t] ..
 tile_indptr[t+1]-1`` all use tile ``tiles[t]``.
 """
 
@@ -160,6 +162,10 @@ class LaunchPlan:
     merge_tokens: torch.Tensor
     merge_indptr: torch.Tensor
     merge_partials: torch.Tensor
+    counts: torch.Tensor
+    """int32 [6] on ``device``: num_work_items, num_slots, num_pages, num_merge_tokens,
+    num_partials, num_tokens (``prefixattn.buffers.COUNTS``), for kernels launched with a
+    fixed grid (CUDA graphs) that read the plan's sizes from device memory."""
     extras: Mapping[str, torch.Tensor]
     """Kernel schedule arrays from :func:`prefixattn.schedule.schedule_arrays`, on ``device``."""
     # Host copies and the forest the plan came from.

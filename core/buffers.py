@@ -1,0 +1,74 @@
+"""Device homes for plan arrays: fixed addresses across steps, for CUDA graphs.
+
+A ``PrefixAttention`` on a CUDA device keeps one buffer per plan array and copies each new
+plan into them. A buffer only moves when a plan outgrows it (it then doubles and
+``generation`` increases), so a CUDA graph captured over ``run`` keeps reading the current
+plan as long as ``generation`` is unchanged; ``reserve`` sizes the buffers up front.
+
+The host side stages every array in one pinned buffer; before that buffer is rewritten, the
+previous plan's copies are waited for (they have normally finished long before).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+COUNTS = ("num_work_items", "num_slots", "num_pages", "num_merge_tokens", "num_partials",
+          "num_tokens")  # fmt: skip
+"""Order of the entries of the plan's ``counts`` device array."""
+
+
+class PlanBuffers:
+    """Per-array int32 device buffers plus a pinned staging buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.generation = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._staging = torch.empty(0, dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None
+
+    def capacity(self, name: str) -> int:
+        buf = self._buffers.get(name)
+        return 0 if buf is None else buf.numel()
+
+    def reserve(self, **sizes: int) -> None:
+        """Make sure buffer ``name`` holds at least ``sizes[name]`` entries."""
+        for name, size in sizes.items():
+            if self.capacity(name) < size:
+                self._buffers[name] = torch.empty(
+                    max(size, 2 * self.capacity(name), 64), dtype=torch.int32, device=self.device
+                )
+                self.generation += 1
+
+    def load(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Copy host int32 arrays into their buffers; returns views of the used prefixes."""
+        self.reserve(**{name: len(a) for name, a in arrays.items()})
+        total = sum(len(a) for a in arrays.values())
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._staging.numel() < total:
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int32,
+                                        pin_memory=True)  # fmt: skip
+        staging = self._staging.numpy()
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, a in arrays.items():
+            n = len(a)
+            staging[offset : offset + n] = a
+            dst = self._buffers[name][:n]
+            dst.copy_(self._staging[offset : offset + n], non_blocking=True)
+            views[name] = dst
+            offset += n
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return views
+
+
+def load_on_host(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """CPU plans: tensors sharing the numpy arrays' memory."""
+    return {
+        name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+        for name, a in arrays.items()
+    }
