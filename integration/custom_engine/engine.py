@@ -282,7 +282,6 @@ def reference_generate(model: TinyLlama, requests: list[Request]) -> dict[int, l
     for req in requests:
         tokens = list(req.prompt)
         for _ in range(req.max_new_tokens):
-            n = len(tokens)
 
             def attend(
                 layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
