@@ -273,29 +273,34 @@ class Engine:
         return done
 
 
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """Causal GQA attention over a whole sequence, in float64."""
+    n, hq, _ = q.shape
+    hkv = k.shape[1]
+    qf = q.double().view(n, hkv, hq // hkv, head_dim)
+    s = torch.einsum("thgd,khd->thgk", qf, k.double()) / math.sqrt(head_dim)
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    s = s.masked_fill(mask[:, None, None, :], -math.inf)
+    o = torch.einsum("thgk,khd->thgd", s.softmax(-1), v.double())
+    return o.reshape(n, hq, head_dim).to(q.dtype)
+
+
 def reference_generate(model: TinyLlama, requests: list[Request]) -> dict[int, list[int]]:
     """Greedy decoding with dense causal attention over the whole sequence, no cache."""
-    cfg = model.cfg
-    g = cfg.num_qo_heads // cfg.num_kv_heads
+    d = model.cfg.head_dim
     dev = next(model.parameters()).device
     out = {}
     for req in requests:
         tokens = list(req.prompt)
         for _ in range(req.max_new_tokens):
-
-            def attend(
-                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> torch.Tensor:
-                qf = q.double().view(n, cfg.num_kv_heads, g, cfg.head_dim)
-                s = torch.einsum("thgd,khd->thgk", qf, k.double()) / math.sqrt(cfg.head_dim)
-                mask = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
-                s = s.masked_fill(mask[:, None, None, :], -math.inf)
-                o = torch.einsum("thgk,khd->thgd", s.softmax(-1), v.double())
-                return o.reshape(n, -1, cfg.head_dim).to(q.dtype)
-
+            positions = torch.arange(len(tokens), device=dev)
             with torch.no_grad():
                 logits = model(
-                    torch.tensor(tokens, device=dev), torch.arange(n, device=dev), attend
+                    torch.tensor(tokens, device=dev),
+                    positions,
+                    lambda _layer, q, k, v: dense_causal_attention(q, k, v, d),
                 )
             tokens.append(int(logits[-1].argmax()))
         out[req.rid] = tokens[len(req.prompt) :]
