@@ -192,13 +192,15 @@ def build_forest(block_table: np.ndarray, seq_lens: np.ndarray, page_size: int) 
         return u
 
     stack: list[int] = []  # the open path: the previous row's nodes, root first
-    for i, n in enumerate(npg_l):
-        shared = lcp[i - 1] if i else 0
+    push, pop = stack.append, stack.pop
+    add_parent, add_begin, add_end = parent.append, page_begin.append, page_end.append
+    add_req_begin, add_req_end, add_children = req_begin.append, req_end.append, children.append
+    for i, n, shared in zip(range(len(npg_l)), npg_l, [0, *lcp]):
         while stack and page_begin[stack[-1]] >= shared:
-            req_end[stack.pop()] = i
+            req_end[pop()] = i
         if stack and page_end[stack[-1]] > shared:
             # Split the node the two rows diverge inside: its shared head becomes a parent.
-            v = stack.pop()
+            v = pop()
             head = new_node(parent[v], page_begin[v], shared, req_begin[v])
             if parent[v] >= 0:
                 sibs = children[parent[v]]
@@ -208,19 +210,19 @@ def build_forest(block_table: np.ndarray, seq_lens: np.ndarray, page_size: int) 
             page_begin[v] = shared
             children[head].append(v)
             req_end[v] = i
-            stack.append(head)
-        if n > shared:  # a new node for the row's own pages (new_node, inlined: hot)
+            push(head)
+        if n > shared:  # a node for the row's own pages (new_node, inlined: the hot path)
             u = len(parent)
             par = stack[-1] if stack else -1
-            parent.append(par)
-            page_begin.append(shared)
-            page_end.append(n)
-            req_begin.append(i)
-            req_end.append(-1)
-            children.append([])
+            add_parent(par)
+            add_begin(shared)
+            add_end(n)
+            add_req_begin(i)
+            add_req_end(-1)
+            add_children([])
             if par >= 0:
                 children[par].append(u)
-            stack.append(u)
+            push(u)
         end_node[i] = stack[-1]
     for u in stack:
         req_end[u] = len(order)
