@@ -108,9 +108,10 @@ class PrefixForest:
             pages = int(self.page_end[u] - self.page_begin[u])
             kind = "leaf" if not self.children[u] else "node"
             times = f"{repeat} x " if repeat > 1 else ""
+            n = self.num_requests(u)
             lines.append(
-                f"{'  ' * int(depth[u])}{times}{kind}: {tokens} tokens in {pages} pages, "
-                f"{self.num_requests(u)} requests"
+                f"{'  ' * int(depth[u])}{times}{kind}: {tokens} tokens in {pages} "
+                f"page{'s' * (pages != 1)}, {n} request{'s' * (n != 1)}"
             )
             kids = self.children[u]
             i = 0
