@@ -196,7 +196,8 @@ def build_forest(block_table: np.ndarray, seq_lens: np.ndarray, page_size: int) 
     push, pop = stack.append, stack.pop
     add_parent, add_begin, add_end = parent.append, page_begin.append, page_end.append
     add_req_begin, add_req_end, add_children = req_begin.append, req_end.append, children.append
-    for i, n, shared in zip(range(len(npg_l)), npg_l, [0, *lcp]):
+    lcp_prev = [0, *lcp] if npg_l else []
+    for i, n, shared in zip(range(len(npg_l)), npg_l, lcp_prev, strict=True):
         while stack and page_begin[stack[-1]] >= shared:
             req_end[pop()] = i
         if stack and page_end[stack[-1]] > shared:
