@@ -1,0 +1,170 @@
+"""Native (C++) plan construction: :func:`build_forest` + :func:`pack` in one host call.
+
+``build_plan_native`` returns exactly what ::
+
+    forest = build_forest(block_table, np.where(np.diff(qo_indptr) > 0, seq_lens, 0), page_size)
+    host, tiles, tile_indptr, accounting = pack(
+        forest, block_table, seq_lens, qo_indptr, shape, table, packing, split_kv
+    )
+
+returns (the forest built from the requests that have new tokens, as
+``PrefixAttention.plan`` does), computed by the ``prefixattn::build_plan`` CPU op of the
+compiled library (cpp/plan/). The arrays are numpy views of one int32 buffer per call.
+
+The compiled library is looked up once: the op may already be registered (the library was
+loaded by another module); otherwise the file named by ``PREFIXATTN_LIBRARY`` or the shared
+libraries next to this package are loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .forest import PrefixForest
+from .packer import PACKINGS, BatchShape
+from .plan import PlanArrays
+from .tiles import TileTable
+
+_FOREST_FIELDS = (
+    "parent", "page_begin", "page_end", "req_begin", "req_end", "order", "ending_indptr",
+    "ending_reqs", "children_indptr", "children",
+)  # fmt: skip
+_PLAN_FIELDS = (
+    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "q_out", "tile_id", "tile_indptr", "merge_tokens", "merge_indptr", "merge_partials",
+)  # fmt: skip
+_NUM_FIELDS = len(_FOREST_FIELDS) + len(_PLAN_FIELDS)  # int32 arrays in the op's first output
+
+_op: Any = None
+_searched = False
+
+
+def _registered() -> Any:
+    try:
+        return torch.ops.prefixattn.build_plan
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("PREFIXATTN_LIBRARY")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    here = Path(__file__).resolve().parent
+    found: list[Path] = []
+    for d in (here, here.parent):
+        for pattern in ("*.so", "*.pyd", "*.dylib"):
+            found.extend(sorted(d.glob(pattern)))
+    return found
+
+
+def _load() -> Any:
+    global _op, _searched
+    if _op is not None or _searched:
+        return _op
+    _op = _registered()
+    if _op is None:
+        for path in _candidates():
+            try:
+                torch.ops.load_library(str(path))
+            except OSError:
+                continue
+            _op = _registered()
+            if _op is not None:
+                break
+    _searched = True
+    return _op
+
+
+def native_plan_available() -> bool:
+    """True when the compiled library provides ``prefixattn::build_plan``."""
+    return _load() is not None
+
+
+def _as_tensor(a: Any, name: str) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        t = a.detach().cpu()
+    else:
+        arr = np.asarray(a)
+        if arr.dtype not in (np.int32, np.int64):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"{name} must be an integer array, got {arr.dtype}")
+            arr = arr.astype(np.int64)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t
+
+
+def build_plan_native(
+    block_table: np.ndarray | torch.Tensor,
+    seq_lens: np.ndarray | torch.Tensor,
+    qo_indptr: np.ndarray | torch.Tensor,
+    page_size: int,
+    shape: BatchShape,
+    table: TileTable,
+    packing: str,
+    split_kv: bool,
+    *,
+    forest_skips_idle: bool = True,
+) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
+    """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
+
+    Arguments as for :func:`prefixattn.forest.build_forest` and
+    :func:`prefixattn.packer.pack`. With ``forest_skips_idle=False`` the forest is built from
+    ``seq_lens`` as given (``build_forest(block_table, seq_lens, page_size)``).
+    """
+    op = _load()
+    if op is None:
+        raise RuntimeError("the compiled prefixattn library with build_plan is not available")
+    if packing not in PACKINGS:
+        raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
+    n_by = table.n_by_kv_len
+    ints_t, meta_t = op(
+        _as_tensor(block_table, "block_table"),
+        _as_tensor(seq_lens, "seq_lens"),
+        _as_tensor(qo_indptr, "qo_indptr"),
+        page_size,
+        shape.num_qo_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.elem_bytes,
+        list(table.m_sizes),
+        [b for b, _ in n_by],
+        [n for _, n in n_by],
+        packing,
+        bool(split_kv),
+        bool(forest_skips_idle),
+    )
+    ints = ints_t.numpy()
+    meta = meta_t.numpy()
+    head = meta[: _NUM_FIELDS + 4].tolist()
+    arrays = []
+    at = 0
+    for size in head[:_NUM_FIELDS]:
+        arrays.append(ints[at : at + size])
+        at += size
+    kv_bytes, partial_bytes, num_partials, num_tiles = head[_NUM_FIELDS:]
+    tm = meta[_NUM_FIELDS + 4 : _NUM_FIELDS + 4 + num_tiles].tolist()
+    tn = meta[_NUM_FIELDS + 4 + num_tiles : _NUM_FIELDS + 4 + 2 * num_tiles].tolist()
+    token_end = meta[_NUM_FIELDS + 4 + 2 * num_tiles :]
+
+    nf = len(_FOREST_FIELDS)
+    f = dict(zip(_FOREST_FIELDS, arrays[:nf], strict=True))
+    kids = f.pop("children").tolist()
+    bounds = f.pop("children_indptr").tolist()
+    children = [kids[a:b] for a, b in pairwise(bounds)]
+    forest = PrefixForest(page_size=page_size, token_end=token_end, children=children, **f)
+    host = PlanArrays(**dict(zip(_PLAN_FIELDS, arrays[nf:], strict=True)))
+    tiles = tuple(zip(tm, tn, strict=True))
+    tile_indptr = tuple(host.tile_indptr.tolist())
+    accounting = {
+        "kv_bytes": kv_bytes,
+        "partial_bytes": partial_bytes,
+        "num_partials": num_partials,
+    }
+    return forest, host, tiles, tile_indptr, accounting

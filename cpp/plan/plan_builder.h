@@ -1,0 +1,103 @@
+// Host-side launch-plan construction: block table -> prefix forest -> packed work items.
+//
+// A torch-free implementation of prefixattn's `build_forest` (core/forest.py) and `pack`
+// (core/packer.py). It produces the same arrays, in the same order, as those functions:
+// see docs/architecture.md for the method and core/plan.py for the meaning of every array.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace prefixattn {
+namespace plan {
+
+enum class Packing { kMemory = 0, kNaive = 1, kPerQuery = 2 };
+
+// Parses "memory", "naive" or "per_query"; throws std::invalid_argument otherwise.
+Packing parse_packing(const std::string& name);
+
+// Raised when a page id the plan reads does not fit in int32 (IndexError in Python).
+class PageIdRangeError : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+struct PlanParams {
+  // Block table [batch, cols], row-major and contiguous; exactly one of the two is set.
+  const int32_t* block_table32 = nullptr;
+  const int64_t* block_table64 = nullptr;
+  int64_t batch = 0;
+  int64_t cols = 0;
+  // KV length of each request [batch] (new tokens included) and query layout [batch + 1].
+  const int64_t* seq_lens = nullptr;
+  const int64_t* qo_indptr = nullptr;
+  int64_t page_size = 1;
+  // Requests without new tokens are left out of the forest (as PrefixAttention.plan does);
+  // with false the forest is built from seq_lens as given.
+  bool forest_skips_idle = true;
+  // Batch shape (packer.BatchShape).
+  int64_t num_qo_heads = 1;
+  int64_t num_kv_heads = 1;
+  int64_t head_dim = 128;
+  int64_t elem_bytes = 2;
+  // Tile table (tiles.TileTable): ascending m sizes; n_by_kv_len as two parallel arrays.
+  std::vector<int64_t> m_sizes;
+  std::vector<int64_t> n_bounds;
+  std::vector<int64_t> n_sizes;
+  Packing packing = Packing::kMemory;
+  bool split_kv = true;
+};
+
+// forest.PrefixForest, plus its children lists in CSR form: the children of node u are
+// children[children_indptr[u] : children_indptr[u + 1]], in order.
+struct Forest {
+  int64_t page_size = 1;
+  std::vector<int32_t> parent;
+  std::vector<int32_t> page_begin;
+  std::vector<int32_t> page_end;
+  std::vector<int64_t> token_end;
+  std::vector<int32_t> req_begin;
+  std::vector<int32_t> req_end;
+  std::vector<int32_t> order;
+  std::vector<int32_t> ending_indptr;
+  std::vector<int32_t> ending_reqs;
+  std::vector<int32_t> children_indptr;
+  std::vector<int32_t> children;
+
+  int64_t num_nodes() const { return static_cast<int64_t>(parent.size()); }
+};
+
+// plan.PlanArrays, the tiles, and the byte accounting of `pack`.
+struct PlanResult {
+  Forest forest;
+  std::vector<int32_t> kv_page_indptr;
+  std::vector<int32_t> kv_pages;
+  std::vector<int32_t> kv_start;
+  std::vector<int32_t> kv_len;
+  std::vector<int32_t> q_indptr;
+  std::vector<int32_t> q_tokens;
+  std::vector<int32_t> q_limit;
+  std::vector<int32_t> q_out;
+  std::vector<int32_t> tile_id;
+  std::vector<int32_t> tile_indptr;
+  std::vector<int32_t> merge_tokens;
+  std::vector<int32_t> merge_indptr;
+  std::vector<int32_t> merge_partials;
+  std::vector<int64_t> tile_m;  // tiles[t] = (tile_m[t], tile_n[t])
+  std::vector<int64_t> tile_n;
+  int64_t kv_bytes = 0;
+  int64_t partial_bytes = 0;
+  int64_t num_partials = 0;
+};
+
+// build_forest(block_table, lens, page_size) on a row-major int32 table.
+Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
+                    const int64_t* lens, int64_t page_size);
+
+// build_forest followed by pack, as PrefixAttention.plan calls them.
+PlanResult build_plan(const PlanParams& params);
+
+}  // namespace plan
+}  // namespace prefixattn

@@ -1,0 +1,185 @@
+"""The native plan builder produces exactly the Python forest and plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import Batch, batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixattn import PAT_TREES, build_forest, tree_batch
+from prefixattn.native_plan import build_plan_native, native_plan_available
+from prefixattn.packer import PACKINGS, BatchShape, pack
+from prefixattn.tiles import tile_table
+
+pytestmark = pytest.mark.skipif(
+    not native_plan_available(), reason="compiled prefixattn::build_plan not available"
+)
+
+FOREST_ARRAYS = (
+    "parent", "page_begin", "page_end", "token_end", "req_begin", "req_end", "order",
+    "ending_indptr", "ending_reqs",
+)  # fmt: skip
+HEADS = [(4, 4), (8, 2), (14, 2), (16, 1), (12, 4), (32, 8), (64, 8), (128, 8)]
+
+
+def _python(block_table, seq_lens, qo_indptr, page_size, shape, table, packing, split_kv,
+            skip_idle=True):  # type: ignore[no-untyped-def]  # fmt: skip
+    lens = np.asarray(seq_lens).astype(np.int64)
+    indptr = np.asarray(qo_indptr).astype(np.int64)
+    forest_lens = np.where(np.diff(indptr) > 0, lens, 0) if skip_idle else lens
+    forest = build_forest(block_table, forest_lens, page_size)
+    return (forest, *pack(forest, block_table, lens, indptr, shape, table, packing, split_kv))
+
+
+def _assert_same(expected, actual) -> None:  # type: ignore[no-untyped-def]
+    f_py, host_py, tiles_py, indptr_py, acc_py = expected
+    f_nat, host_nat, tiles_nat, indptr_nat, acc_nat = actual
+    assert f_nat.page_size == f_py.page_size
+    for name in FOREST_ARRAYS:
+        a, b = getattr(f_py, name), getattr(f_nat, name)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(b, a, err_msg=f"forest.{name}")
+    assert f_nat.children == f_py.children
+    for name in host_py.__dataclass_fields__:
+        a, b = getattr(host_py, name), getattr(host_nat, name)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(b, a, err_msg=f"plan.{name}")
+    assert tiles_nat == tiles_py
+    assert indptr_nat == indptr_py
+    assert acc_nat == acc_py
+
+
+def _compare(batch: Batch, heads: tuple[int, int], head_dim: int, elem_bytes: int,
+             packing: str, split_kv: bool, skip_idle: bool = True) -> None:  # fmt: skip
+    shape = BatchShape(heads[0], heads[1], head_dim, elem_bytes)
+    table = tile_table(head_dim)
+    args = (batch.block_table, batch.seq_lens, batch.qo_indptr, batch.page_size, shape, table,
+            packing, split_kv)  # fmt: skip
+    expected = _python(*args, skip_idle=skip_idle)
+    _assert_same(expected, build_plan_native(*args, forest_skips_idle=skip_idle))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches(page_sizes=tuple(range(1, 17))),
+    st.sampled_from(HEADS),
+    st.sampled_from([64, 128, 256]),
+    st.sampled_from([2, 4]),
+    st.sampled_from(PACKINGS),
+    st.booleans(),
+)
+def test_random_batches(
+    batch: Batch, heads: tuple[int, int], head_dim: int, elem_bytes: int, packing: str,
+    split_kv: bool,
+) -> None:  # fmt: skip
+    _compare(batch, heads, head_dim, elem_bytes, packing, split_kv)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batches(max_requests=40, max_pages=30, page_sizes=(1, 2, 5, 16), max_new_tokens=40),
+    st.sampled_from(HEADS),
+    st.sampled_from(PACKINGS),
+    st.booleans(),
+    st.booleans(),
+)
+def test_larger_batches_and_long_queries(
+    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool, skip_idle: bool
+) -> None:
+    _compare(batch, heads, 128, 2, packing, split_kv, skip_idle=skip_idle)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(page_sizes=(1, 3, 16)), st.sampled_from(PACKINGS), st.booleans())
+def test_int64_block_table(batch: Batch, packing: str, split_kv: bool) -> None:
+    wide = Batch(
+        block_table=batch.block_table.astype(np.int64),
+        seq_lens=batch.seq_lens,
+        qo_indptr=batch.qo_indptr,
+        page_size=batch.page_size,
+        num_pages=batch.num_pages,
+    )
+    _compare(wide, (32, 8), 128, 2, packing, split_kv)
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("spec", PAT_TREES)
+def test_pat_trees(spec: str, page_size: int) -> None:
+    block_table, seq_lens = tree_batch(spec, page_size)
+    b = len(seq_lens)
+    decode = np.arange(b + 1, dtype=np.int32)
+    for packing in PACKINGS:
+        for split_kv in (True, False):
+            batch = Batch(block_table, seq_lens, decode, page_size, int(block_table.max()) + 1)
+            _compare(batch, (32, 8), 128, 2, packing, split_kv)
+    # Some idle requests and some with several new tokens.
+    qo = np.arange(b) % 3
+    batch = Batch(block_table, seq_lens, np.concatenate(([0], np.cumsum(qo))).astype(np.int32),
+                  page_size, int(block_table.max()) + 1)  # fmt: skip
+    for packing in PACKINGS:
+        _compare(batch, (16, 2), 64, 2, packing, True)
+
+
+def _batch(rows: list[list[int]], lens: list[int], qo: list[int], page_size: int) -> Batch:
+    width = max((len(r) for r in rows), default=0) + 1
+    table = np.full((len(rows), width), 5, dtype=np.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return Batch(
+        block_table=table,
+        seq_lens=np.asarray(lens, dtype=np.int32),
+        qo_indptr=np.concatenate(([0], np.cumsum(qo))).astype(np.int32),
+        page_size=page_size,
+        num_pages=int(table.max(initial=0)) + 1,
+    )
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize(
+    "rows, lens, qo, page_size",
+    [
+        ([], [], [], 4),  # no requests
+        ([[1, 2]], [0], [0], 4),  # nothing to attend to
+        ([[7, 3, 5], [7, 3, 9], [7, 4]], [6, 5, 3], [1, 1, 1], 2),  # the forest docstring
+        ([[4, 5, 6], [4, 5, 6], [4, 5, 9], [8, 1, 2]], [5, 6, 3, 2], [1, 2, 0, 1], 2),
+        ([[3, -1, 4], [3], [3, -1], [3, -1, 2]], [3, 1, 2, 3], [1, 1, 1, 1], 1),  # id -1
+        ([[0, 1, 2, 3]] * 5, [4, 4, 3, 2, 1], [1, 1, 1, 1, 1], 1),  # nested prefixes
+        ([[9, 256, 1], [9, 1, 256], [9, 255, 2], [9, 511]], [3, 3, 3, 2], [1, 1, 1, 1], 1),
+    ],
+)
+def test_edge_cases(rows, lens, qo, page_size, packing: str) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(rows, lens, qo, page_size)
+    for split_kv in (True, False):
+        for skip_idle in (True, False):
+            _compare(batch, (8, 2), 64, 2, packing, split_kv, skip_idle=skip_idle)
+
+
+def test_page_id_beyond_int32_is_rejected() -> None:
+    table = np.array([[2**31 + 5, 1], [2**31 + 5, 2]], dtype=np.int64)
+    shape = BatchShape(8, 2, 64, 2)
+    args = (table, np.array([2, 2]), np.array([0, 1, 2]), 1, shape, tile_table(64), "naive", False)
+    with pytest.raises(IndexError, match="beyond int32 range"):
+        _python(*args)
+    with pytest.raises(IndexError, match="beyond int32 range"):
+        build_plan_native(*args)
+
+
+def test_unknown_packing() -> None:
+    batch = _batch([[1, 2]], [2], [1], 1)
+    with pytest.raises(ValueError, match="unknown packing"):
+        build_plan_native(batch.block_table, batch.seq_lens, batch.qo_indptr, 1,
+                          BatchShape(8, 2, 64, 2), tile_table(64), "dense", True)  # fmt: skip
+
+
+def test_native_forest_describes_like_python() -> None:
+    block_table, seq_lens = tree_batch("1,4,16_64,32,17", 4)
+    indptr = np.arange(len(seq_lens) + 1)
+    shape = BatchShape(32, 8, 128, 2)
+    args = (block_table, seq_lens, indptr, 4, shape, tile_table(128), "memory", True)
+    f_py = _python(*args)[0]
+    f_nat = build_plan_native(*args)[0]
+    assert f_nat.describe() == f_py.describe()
+    assert f_nat.roots == f_py.roots
+    np.testing.assert_array_equal(f_nat.depth(), f_py.depth())
