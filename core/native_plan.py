@@ -19,9 +19,10 @@ libraries next to this package are loaded.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -36,10 +37,11 @@ _FOREST_FIELDS = (
     "ending_reqs", "children_indptr", "children",
 )  # fmt: skip
 _PLAN_FIELDS = (
-    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_indptr", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "tile_indptr", "merge_tokens", "merge_indptr", "merge_partials",
 )  # fmt: skip
 _NUM_FIELDS = len(_FOREST_FIELDS) + len(_PLAN_FIELDS)  # int32 arrays in the op's first output
+# (kv_pages, the largest array, is the op's third output)
 
 _op: Any = None
 _searched = False
@@ -87,6 +89,50 @@ def native_plan_available() -> bool:
     return _load() is not None
 
 
+class _Children(Sequence[list[int]]):
+    """``PrefixForest.children`` of a native forest: the lists are built on first use from
+    the CSR arrays (children of ``u``: ``flat[indptr[u]:indptr[u + 1]]``, in order).
+
+    It compares equal to the list of lists it stands for.
+    """
+
+    __slots__ = ("_flat", "_indptr", "_lists")
+
+    def __init__(self, indptr: np.ndarray, flat: np.ndarray) -> None:
+        self._indptr = indptr
+        self._flat = flat
+        self._lists: list[list[int]] | None = None
+
+    def _all(self) -> list[list[int]]:
+        if self._lists is None:
+            flat = self._flat.tolist()
+            self._lists = [flat[a:b] for a, b in pairwise(self._indptr.tolist())]
+        return self._lists
+
+    @overload
+    def __getitem__(self, i: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[int]]: ...
+    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._indptr) - 1
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Children):
+            other = other._all()
+        return self._all() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
 def _as_tensor(a: Any, name: str) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         t = a.detach().cpu()
@@ -124,7 +170,7 @@ def build_plan_native(
     if packing not in PACKINGS:
         raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
     n_by = table.n_by_kv_len
-    ints_t, meta_t = op(
+    ints_t, meta_t, pages_t = op(
         _as_tensor(block_table, "block_table"),
         _as_tensor(seq_lens, "seq_lens"),
         _as_tensor(qo_indptr, "qo_indptr"),
@@ -155,11 +201,15 @@ def build_plan_native(
 
     nf = len(_FOREST_FIELDS)
     f = dict(zip(_FOREST_FIELDS, arrays[:nf], strict=True))
-    kids = f.pop("children").tolist()
-    bounds = f.pop("children_indptr").tolist()
-    children = [kids[a:b] for a, b in pairwise(bounds)]
-    forest = PrefixForest(page_size=page_size, token_end=token_end, children=children, **f)
-    host = PlanArrays(**dict(zip(_PLAN_FIELDS, arrays[nf:], strict=True)))
+    children = _Children(f.pop("children_indptr"), f.pop("children"))
+    forest = PrefixForest(
+        page_size=page_size,
+        token_end=token_end,
+        children=children,  # type: ignore[arg-type]
+        **f,
+    )
+    plan_arrays = dict(zip(_PLAN_FIELDS, arrays[nf:], strict=True))
+    host = PlanArrays(kv_pages=pages_t.numpy(), **plan_arrays)
     tiles = tuple(zip(tm, tn, strict=True))
     tile_indptr = tuple(host.tile_indptr.tolist())
     accounting = {

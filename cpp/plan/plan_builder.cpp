@@ -36,8 +36,10 @@ inline uint32_t bswap32(uint32_t x) {
 
 // First index in [c, e) where a and b differ, or e.
 inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t c, int64_t e) {
-  constexpr int64_t kBlock = 32;
-  while (c + kBlock <= e && std::memcmp(a + c, b + c, kBlock * sizeof(int32_t)) == 0) c += kBlock;
+  // Long equal runs are the common case (shared prefixes): compare in large blocks first.
+  constexpr int64_t kLarge = 1024, kSmall = 16;
+  while (c + kLarge <= e && std::memcmp(a + c, b + c, kLarge * sizeof(int32_t)) == 0) c += kLarge;
+  while (c + kSmall <= e && std::memcmp(a + c, b + c, kSmall * sizeof(int32_t)) == 0) c += kSmall;
   while (c < e && a[c] == b[c]) ++c;
   return c;
 }
@@ -456,6 +458,9 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     for (int64_t r = 0; r < n_runs; ++r) run_order[fill[items.run_item[r]]++] = r;
   }
   std::vector<int64_t> slot_item, slot_tok, slot_lim, slot_req;
+  for (auto* v : {&slot_item, &slot_tok, &slot_lim, &slot_req}) {
+    v->reserve(2 * static_cast<size_t>(std::max<int64_t>(num_tokens, 0)) + 16);
+  }
   for (int64_t r : run_order) {
     const int64_t item = items.run_item[r];
     const int64_t first_pos = it_begin[item];
@@ -485,7 +490,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
         prev = slot_item[s];
         rank = 0;
       }
-      if (rank % max_tokens == 0) {
+      if (rank == max_tokens) rank = 0;
+      if (rank == 0) {
         chunk_item.push_back(prev);
         chunk_req.push_back(slot_req[s]);
         chunk_begin.push_back(it_begin[prev]);
@@ -603,8 +609,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
       const int64_t q = alive[perm_pos[w]];
       total_pages += std::max<int64_t>(ceildiv(part_end[q] - part_begin[q], ps), 0);
     }
-    out.kv_pages.resize(total_pages);
-    int64_t at = 0;
+    out.kv_pages.clear();
+    out.kv_pages.reserve(total_pages);
     int64_t max_id = std::numeric_limits<int64_t>::min();
     for (int64_t w = 0; w < num_items; ++w) {
       const int64_t q = alive[perm_pos[w]];
@@ -616,16 +622,15 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
         throw std::out_of_range("work item reads past the block table");
       }
       if (p.block_table32 != nullptr) {
-        std::memcpy(out.kv_pages.data() + at, p.block_table32 + row * p.cols + col,
-                    npages * sizeof(int32_t));
+        const int32_t* src = p.block_table32 + row * p.cols + col;
+        out.kv_pages.insert(out.kv_pages.end(), src, src + npages);
       } else {
         const int64_t* src = p.block_table64 + row * p.cols + col;
         for (int64_t k = 0; k < npages; ++k) {
           max_id = std::max(max_id, src[k]);
-          out.kv_pages[at + k] = static_cast<int32_t>(src[k]);
+          out.kv_pages.push_back(static_cast<int32_t>(src[k]));
         }
       }
-      at += npages;
     }
     if (max_id >= (int64_t{1} << 31)) {
       throw PageIdRangeError("block_table holds page id " + std::to_string(max_id) +

@@ -1,11 +1,12 @@
 // prefixattn::build_plan: the host plan builder (plan_builder.h) as a CPU torch op.
 //
-// Returns two CPU tensors:
-//   ints:  int32, every int32 array of the forest and the plan, concatenated in the order
-//          of kInt32Fields below;
-//   meta:  int64, [sizes of those arrays (kNumInt32Fields), kv_bytes, partial_bytes,
-//          num_partials, num_tiles, tile m sizes (num_tiles), tile n sizes (num_tiles),
-//          forest token_end (num_nodes)].
+// Returns three CPU tensors:
+//   ints:     int32, the int32 arrays of the forest and the plan except kv_pages,
+//             concatenated in the order of int32_fields() below;
+//   meta:     int64, [sizes of those arrays (kNumInt32Fields), kv_bytes, partial_bytes,
+//             num_partials, num_tiles, tile m sizes (num_tiles), tile n sizes (num_tiles),
+//             forest token_end (num_nodes)];
+//   kv_pages: int32, the plan's page ids (the largest array, handed over without a copy).
 // core/native_plan.py splits them back into a PrefixForest, PlanArrays, tiles, tile_indptr
 // and the accounting dict.
 #include <ATen/ATen.h>
@@ -22,16 +23,16 @@ namespace plan {
 namespace {
 
 // Order of the int32 arrays in the `ints` output (mirrored in core/native_plan.py).
-constexpr int kNumInt32Fields = 23;
+constexpr int kNumInt32Fields = 22;
 
 std::vector<const std::vector<int32_t>*> int32_fields(const PlanResult& r) {
   const Forest& f = r.forest;
-  return {&f.parent,          &f.page_begin,   &f.page_end,       &f.req_begin,
-          &f.req_end,         &f.order,        &f.ending_indptr,  &f.ending_reqs,
-          &f.children_indptr, &f.children,     &r.kv_page_indptr, &r.kv_pages,
-          &r.kv_start,        &r.kv_len,       &r.q_indptr,       &r.q_tokens,
-          &r.q_limit,         &r.q_out,        &r.tile_id,        &r.tile_indptr,
-          &r.merge_tokens,    &r.merge_indptr, &r.merge_partials};
+  return {&f.parent,         &f.page_begin,      &f.page_end,     &f.req_begin,
+          &f.req_end,        &f.order,           &f.ending_indptr, &f.ending_reqs,
+          &f.children_indptr, &f.children,       &r.kv_page_indptr, &r.kv_start,
+          &r.kv_len,         &r.q_indptr,        &r.q_tokens,     &r.q_limit,
+          &r.q_out,          &r.tile_id,         &r.tile_indptr,  &r.merge_tokens,
+          &r.merge_indptr,   &r.merge_partials};
 }
 
 at::Tensor as_long(const at::Tensor& t, const char* name, int64_t dim) {
@@ -43,7 +44,7 @@ at::Tensor as_long(const at::Tensor& t, const char* name, int64_t dim) {
   return t.to(at::kLong).contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> build_plan_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qo_indptr,
     int64_t page_size, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds,
@@ -122,7 +123,16 @@ std::tuple<at::Tensor, at::Tensor> build_plan_op(
   for (int64_t t = 0; t < num_tiles; ++t) *m++ = r.tile_m[t];
   for (int64_t t = 0; t < num_tiles; ++t) *m++ = r.tile_n[t];
   if (num_nodes > 0) std::memcpy(m, r.forest.token_end.data(), num_nodes * sizeof(int64_t));
-  return {ints, meta};
+  at::Tensor pages;
+  if (r.kv_pages.empty()) {
+    pages = at::empty({0}, at::TensorOptions().dtype(at::kInt));
+  } else {
+    auto* owner = new std::vector<int32_t>(std::move(r.kv_pages));
+    pages = at::from_blob(
+        owner->data(), {static_cast<int64_t>(owner->size())},
+        [owner](void*) { delete owner; }, at::TensorOptions().dtype(at::kInt));
+  }
+  return {ints, meta, pages};
 }
 
 }  // namespace
@@ -134,7 +144,7 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "build_plan(Tensor block_table, Tensor seq_lens, Tensor qo_indptr, int page_size, "
       "int num_qo_heads, int num_kv_heads, int head_dim, int elem_bytes, int[] m_sizes, "
       "int[] n_bounds, int[] n_sizes, str packing, bool split_kv, bool forest_skips_idle) "
-      "-> (Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(prefixattn, CPU, m) {

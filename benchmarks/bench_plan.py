@@ -1,0 +1,138 @@
+"""Host plan construction: Python ``build_forest`` + ``pack`` against the native builder.
+
+    python benchmarks/bench_plan.py [--tree 1,16,256_2048,1024,1024] [--page-sizes 16,1]
+                                    [--repeat 300] [--packing memory]
+
+Prints, per page size, the median (and min / p90) over ``--repeat`` calls of:
+
+- ``python``: ``build_forest`` + ``pack`` (core/forest.py, core/packer.py);
+- ``native``: ``build_plan_native`` (the same arrays from the compiled ``build_plan`` op,
+  numpy in and out);
+- ``native op``: the op call alone (torch tensors in and out, no Python objects built);
+- ``plan() python`` / ``plan() native``: a whole ``PrefixAttention.plan`` call (argument
+  checks, plan object, CPU tensors), with its forest and packing done by the Python functions
+  or by the native builder. The native plans are checked to equal the Python ones.
+
+Run on an otherwise idle core for stable numbers; the medians are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from prefixattn import PrefixAttention, build_forest, tree_batch
+from prefixattn import api as api_module
+from prefixattn.native_plan import build_plan_native, native_plan_available
+from prefixattn.packer import PACKINGS, pack
+
+
+def _times(fn: Callable[[], object], repeat: int) -> np.ndarray:
+    for _ in range(min(20, repeat)):
+        fn()
+    out = np.empty(repeat)
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out[i] = time.perf_counter() - t0
+    return out * 1e6
+
+
+@contextlib.contextmanager
+def _native_plan(pa: PrefixAttention, indptr: np.ndarray, packing: str) -> Iterator[None]:
+    """PrefixAttention.plan with its build_forest + pack calls served by the native builder."""
+    saved = api_module.build_forest, api_module.pack
+    state: dict[str, tuple] = {}
+
+    def forest_fn(table: np.ndarray, lens: np.ndarray, page_size: int):  # type: ignore[no-untyped-def]
+        # plan() passes seq_lens already zeroed for requests without new tokens.
+        state["r"] = build_plan_native(
+            table, lens, indptr, page_size, pa._shape, pa.tiles, packing, True,
+            forest_skips_idle=False,
+        )  # fmt: skip
+        return state["r"][0]
+
+    def pack_fn(forest, table, lens, qo_indptr, shape, tiles, packing_, split_kv):  # type: ignore[no-untyped-def]
+        return state["r"][1:]
+
+    api_module.build_forest, api_module.pack = forest_fn, pack_fn  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        api_module.build_forest, api_module.pack = saved
+
+
+def _bench_page_size(args: argparse.Namespace, hq: int, hkv: int, ps: int) -> None:
+    op = torch.ops.prefixattn.build_plan
+    bt, sl = tree_batch(args.tree, ps)
+    lens = sl.astype(np.int64)
+    indptr = np.arange(len(sl) + 1, dtype=np.int64)
+    pa = PrefixAttention(hq, hkv, 128, ps, dtype=torch.bfloat16)
+    shape, table = pa._shape, pa.tiles
+
+    def python() -> object:
+        f = build_forest(bt, lens, ps)
+        return pack(f, bt, lens, indptr, shape, table, args.packing, True)
+
+    def native() -> object:
+        return build_plan_native(bt, lens, indptr, ps, shape, table, args.packing, True)
+
+    tensors = (torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(indptr))
+    n_by = table.n_by_kv_len
+    op_args = (*tensors, ps, hq, hkv, 128, shape.elem_bytes, list(table.m_sizes),
+               [b for b, _ in n_by], [n for _, n in n_by], args.packing, True, True)  # fmt: skip
+
+    def native_op() -> object:
+        return op(*op_args)
+
+    def plan_python() -> object:
+        return pa.plan(bt, sl, packing=args.packing)
+
+    reference = plan_python()
+    with _native_plan(pa, indptr, args.packing):
+        native_plan = pa.plan(bt, sl, packing=args.packing)
+        for name in reference.host.__dataclass_fields__:
+            np.testing.assert_array_equal(
+                getattr(native_plan.host, name), getattr(reference.host, name)
+            )
+        assert native_plan.tiles == reference.tiles
+        assert native_plan.kv_bytes == reference.kv_bytes
+        t_plan_native = _times(plan_python, args.repeat)
+
+    rows = [
+        ("python", _times(python, args.repeat)),
+        ("native", _times(native, args.repeat)),
+        ("native op", _times(native_op, args.repeat)),
+        ("plan() python", _times(plan_python, args.repeat)),
+        ("plan() native", t_plan_native),
+    ]
+    print(f"page_size {ps}: block table {bt.shape[0]}x{bt.shape[1]}, "
+          f"{reference.num_work_items} items")  # fmt: skip
+    for name, t in rows:
+        print(f"  {name:<14} {np.median(t):9.1f}  ({t.min():.1f}, {np.percentile(t, 90):.1f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tree", default="1,16,256_2048,1024,1024")
+    parser.add_argument("--page-sizes", default="16,1")
+    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--packing", default="memory", choices=PACKINGS)
+    parser.add_argument("--heads", default="32/8")
+    args = parser.parse_args()
+    if not native_plan_available():
+        raise SystemExit("the compiled prefixattn library (build_plan op) is not available")
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    print(f"tree {args.tree}, heads {hq}/{hkv}, head_dim 128, packing {args.packing}, "
+          f"split on; microseconds, median (min, p90) of {args.repeat}")  # fmt: skip
+    for ps in (int(x) for x in args.page_sizes.split(",")):
+        _bench_page_size(args, hq, hkv, ps)
+
+
+if __name__ == "__main__":
+    main()
