@@ -9,15 +9,17 @@
 
 returns (the forest built from the requests that have new tokens, as
 ``PrefixAttention.plan`` does), computed by the ``prefixattn::build_plan`` CPU op of the
-compiled library (cpp/plan/). The arrays are numpy views of one int32 buffer per call.
+compiled library (cpp/plan/). The int32 arrays are numpy views of the op's output buffers
+(fresh ones on every call).
 
-The compiled library is looked up once: the op may already be registered (the library was
-loaded by another module); otherwise the file named by ``PREFIXATTN_LIBRARY`` or the shared
-libraries next to this package are loaded.
+The op may already be registered (the library was loaded by another module); otherwise, once,
+the files named by ``PREFIXATTN_LIBRARY`` or else the shared libraries in this package's
+directory and among the installed distribution's files are loaded until one provides it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
@@ -55,32 +57,42 @@ def _registered() -> Any:
 
 
 def _candidates() -> list[Path]:
+    """Shared libraries that may hold the op: ``PREFIXATTN_LIBRARY`` (path list) if set, else
+    those next to this package and those installed with the distribution."""
     env = os.environ.get("PREFIXATTN_LIBRARY")
     if env:
         return [Path(p) for p in env.split(os.pathsep) if p]
-    here = Path(__file__).resolve().parent
+    suffixes = (".so", ".pyd", ".dylib")
     found: list[Path] = []
-    for d in (here, here.parent):
-        for pattern in ("*.so", "*.pyd", "*.dylib"):
-            found.extend(sorted(d.glob(pattern)))
+    here = Path(__file__).resolve().parent
+    found.extend(sorted(p for p in here.iterdir() if p.suffix in suffixes))
+    try:
+        dist_files = importlib.metadata.files("prefixattn") or []
+    except importlib.metadata.PackageNotFoundError:
+        dist_files = []
+    for f in dist_files:
+        if f.suffix in suffixes:
+            path = Path(str(f.locate())).resolve()
+            if path not in found:
+                found.append(path)
     return found
 
 
 def _load() -> Any:
+    """The op, once registered; the candidate libraries are loaded at most once."""
     global _op, _searched
-    if _op is not None or _searched:
-        return _op
-    _op = _registered()
     if _op is None:
-        for path in _candidates():
-            try:
-                torch.ops.load_library(str(path))
-            except OSError:
-                continue
-            _op = _registered()
-            if _op is not None:
-                break
-    _searched = True
+        _op = _registered()
+        if _op is None and not _searched:
+            _searched = True
+            for path in _candidates():
+                try:
+                    torch.ops.load_library(str(path))
+                except (OSError, RuntimeError):
+                    continue
+                _op = _registered()
+                if _op is not None:
+                    break
     return _op
 
 
