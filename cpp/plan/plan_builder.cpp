@@ -136,10 +136,10 @@ Packing parse_packing(const std::string& name) {
                               "'; expected one of memory, naive, per_query");
 }
 
-Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
-                    const int64_t* lens, int64_t page_size) {
+void build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const int64_t* lens,
+                  int64_t page_size, Forest& f) {
   if (page_size <= 0) throw std::invalid_argument("page_size must be positive");
-  Forest f;
+  f.clear();
   f.page_size = page_size;
   std::vector<int32_t> rows;
   std::vector<int64_t> npg;
@@ -254,6 +254,12 @@ Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
     const bool has_kids = f.children_indptr[u + 1] > f.children_indptr[u];
     f.token_end[u] = has_kids ? static_cast<int64_t>(pe[u]) * page_size : max_len[u];
   }
+}
+
+Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
+                    const int64_t* lens, int64_t page_size) {
+  Forest f;
+  build_forest(block_table, batch, cols, lens, page_size, f);
   return f;
 }
 
@@ -372,13 +378,6 @@ void items_per_query(const std::vector<int32_t>& rows, const std::vector<int64_t
     items.add_item(0, lens[rows[i]]);
     items.add_run(i, i, i + 1);
   }
-}
-
-template <typename T>
-std::vector<int32_t> to_i32(const std::vector<T>& v) {
-  std::vector<int32_t> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<int32_t>(v[i]);
-  return out;
 }
 
 void pack(const PlanParams& p, const std::vector<int64_t>& lens,
@@ -559,7 +558,7 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     alive.push_back(q);
     alive_key.push_back(p.m_sizes[mi] * 65536 + p.n_sizes[ni]);
   }
-  std::vector<int64_t> used(alive_key);
+  std::vector<int64_t> used(alive_key.begin(), alive_key.end());
   std::sort(used.begin(), used.end());
   used.erase(std::unique(used.begin(), used.end()), used.end());
   const int64_t n_alive = static_cast<int64_t>(alive.size());
@@ -690,7 +689,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
 
 }  // namespace
 
-PlanResult build_plan(const PlanParams& p) {
+void build_plan(const PlanParams& p, PlanResult& out) {
+  out.clear();
   if ((p.block_table32 == nullptr) == (p.block_table64 == nullptr)) {
     throw std::invalid_argument("exactly one of block_table32 / block_table64 must be set");
   }
@@ -698,7 +698,7 @@ PlanResult build_plan(const PlanParams& p) {
   if (p.page_size <= 0) throw std::invalid_argument("page_size must be positive");
   std::vector<int64_t> lens(p.seq_lens, p.seq_lens + p.batch);
   std::vector<int64_t> qo_indptr(p.qo_indptr, p.qo_indptr + p.batch + 1);
-  std::vector<int64_t> forest_lens(lens);
+  std::vector<int64_t> forest_lens(lens.begin(), lens.end());
   if (p.forest_skips_idle) {
     for (int64_t b = 0; b < p.batch; ++b) {
       if (qo_indptr[b + 1] - qo_indptr[b] <= 0) forest_lens[b] = 0;
@@ -714,10 +714,34 @@ PlanResult build_plan(const PlanParams& p) {
     }
     table = narrowed.data();
   }
-  PlanResult out;
-  out.forest = build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size);
+  build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, out.forest);
   pack(p, lens, qo_indptr, out);
+}
+
+PlanResult build_plan(const PlanParams& p) {
+  PlanResult out;
+  build_plan(p, out);
   return out;
+}
+
+void Forest::clear() {
+  for (auto* v : {&parent, &page_begin, &page_end, &req_begin, &req_end, &order, &ending_indptr,
+                  &ending_reqs, &children_indptr, &children}) {
+    v->clear();
+  }
+  token_end.clear();
+}
+
+void PlanResult::clear() {
+  forest.clear();
+  for (auto* v : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
+                  &q_out, &tile_id, &tile_indptr, &merge_tokens, &merge_indptr,
+                  &merge_partials}) {
+    v->clear();
+  }
+  tile_m.clear();
+  tile_n.clear();
+  kv_bytes = partial_bytes = num_partials = 0;
 }
 
 }  // namespace plan

@@ -67,6 +67,7 @@ struct Forest {
   std::vector<int32_t> children;
 
   int64_t num_nodes() const { return static_cast<int64_t>(parent.size()); }
+  void clear();  // empties every array, keeping its capacity
 };
 
 // plan.PlanArrays, the tiles, and the byte accounting of `pack`.
@@ -90,14 +91,24 @@ struct PlanResult {
   int64_t kv_bytes = 0;
   int64_t partial_bytes = 0;
   int64_t num_partials = 0;
+
+  void clear();  // empties every array, keeping its capacity
 };
 
 // build_forest(block_table, lens, page_size) on a row-major int32 table.
 Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
                     const int64_t* lens, int64_t page_size);
 
+// The same into `forest`, reusing its arrays' capacity.
+void build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const int64_t* lens,
+                  int64_t page_size, Forest& forest);
+
 // build_forest followed by pack, as PrefixAttention.plan calls them.
 PlanResult build_plan(const PlanParams& params);
+
+// The same into `out`, reusing its arrays' capacity (a caller that plans every step can keep
+// one PlanResult).
+void build_plan(const PlanParams& params, PlanResult& out);
 
 }  // namespace plan
 }  // namespace prefixattn

@@ -89,10 +89,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   p.n_sizes.assign(n_sizes.begin(), n_sizes.end());
   p.split_kv = split_kv;
 
-  PlanResult r;
+  // Kept across calls: the next plan reuses its arrays' memory.
+  static thread_local PlanResult r;
   try {
     p.packing = parse_packing(std::string(packing.data(), packing.size()));
-    r = build_plan(p);
+    build_plan(p, r);
   } catch (const PageIdRangeError& e) {
     TORCH_CHECK_INDEX(false, e.what());
   } catch (const std::out_of_range& e) {
@@ -127,7 +128,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   if (r.kv_pages.empty()) {
     pages = at::empty({0}, at::TensorOptions().dtype(at::kInt));
   } else {
+    // Handed over without a copy (the next call grows a new array).
     auto* owner = new std::vector<int32_t>(std::move(r.kv_pages));
+    r.kv_pages = std::vector<int32_t>();
     pages = at::from_blob(
         owner->data(), {static_cast<int64_t>(owner->size())},
         [owner](void*) { delete owner; }, at::TensorOptions().dtype(at::kInt));
