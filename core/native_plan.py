@@ -19,6 +19,7 @@ directory and among the installed distribution's files are loaded until one prov
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 from collections.abc import Iterator, Sequence
@@ -82,18 +83,36 @@ def _load() -> Any:
     """The op, once registered; the candidate libraries are loaded at most once."""
     global _op, _searched
     if _op is None:
-        _op = _registered()
-        if _op is None and not _searched:
+        op = _registered()
+        if op is None and not _searched:
             _searched = True
             for path in _candidates():
                 try:
                     torch.ops.load_library(str(path))
                 except (OSError, RuntimeError):
                     continue
-                _op = _registered()
-                if _op is not None:
+                op = _registered()
+                if op is not None:
                     break
+        if op is not None:
+            _register_fake()
+        _op = op
     return _op
+
+
+def _register_fake() -> None:
+    """Shapes for tracing (FakeTensor, torch.compile): every output size is data-dependent."""
+
+    def fake(block_table: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        ctx = torch.library.get_ctx()
+        return (
+            block_table.new_empty(ctx.new_dynamic_size(), dtype=torch.int32),
+            block_table.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
+            block_table.new_empty(ctx.new_dynamic_size(), dtype=torch.int32),
+        )
+
+    with contextlib.suppress(RuntimeError):  # a fake may already be registered
+        torch.library.register_fake("prefixattn::build_plan", fake)
 
 
 def native_plan_available() -> bool:

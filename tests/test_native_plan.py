@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import Batch, batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,3 +184,12 @@ def test_native_forest_describes_like_python() -> None:
     assert f_nat.describe() == f_py.describe()
     assert f_nat.roots == f_py.roots
     np.testing.assert_array_equal(f_nat.depth(), f_py.depth())
+
+
+def test_opcheck() -> None:
+    table = torch.tensor([[7, 3, 5], [7, 3, 9], [7, 4, 0]], dtype=torch.int32)
+    tiles = tile_table(64)
+    args = (table, torch.tensor([6, 5, 3]), torch.tensor([0, 1, 3, 3]), 2, 8, 2, 64, 2,
+            list(tiles.m_sizes), [b for b, _ in tiles.n_by_kv_len],
+            [n for _, n in tiles.n_by_kv_len], "memory", True, True)  # fmt: skip
+    torch.library.opcheck(torch.ops.prefixattn.build_plan.default, args)

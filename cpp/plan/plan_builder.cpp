@@ -256,8 +256,8 @@ void build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const
   }
 }
 
-Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
-                    const int64_t* lens, int64_t page_size) {
+Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const int64_t* lens,
+                    int64_t page_size) {
   Forest f;
   build_forest(block_table, batch, cols, lens, page_size, f);
   return f;
@@ -599,8 +599,7 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     out.kv_start[w] = static_cast<int32_t>(part_begin[q]);
     out.kv_len[w] = static_cast<int32_t>(len);
     total_len += len;
-    out.kv_page_indptr[w + 1] =
-        static_cast<int32_t>(out.kv_page_indptr[w] + ceildiv(len, ps));
+    out.kv_page_indptr[w + 1] = static_cast<int32_t>(out.kv_page_indptr[w] + ceildiv(len, ps));
   }
   {
     int64_t total_pages = 0;
@@ -735,8 +734,7 @@ void Forest::clear() {
 void PlanResult::clear() {
   forest.clear();
   for (auto* v : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
-                  &q_out, &tile_id, &tile_indptr, &merge_tokens, &merge_indptr,
-                  &merge_partials}) {
+                  &q_out, &tile_id, &tile_indptr, &merge_tokens, &merge_indptr, &merge_partials}) {
     v->clear();
   }
   tile_m.clear();

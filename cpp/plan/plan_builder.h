@@ -96,8 +96,8 @@ struct PlanResult {
 };
 
 // build_forest(block_table, lens, page_size) on a row-major int32 table.
-Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols,
-                    const int64_t* lens, int64_t page_size);
+Forest build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const int64_t* lens,
+                    int64_t page_size);
 
 // The same into `forest`, reusing its arrays' capacity.
 void build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const int64_t* lens,

@@ -27,11 +27,10 @@ constexpr int kNumInt32Fields = 22;
 
 std::vector<const std::vector<int32_t>*> int32_fields(const PlanResult& r) {
   const Forest& f = r.forest;
-  return {&f.parent,         &f.page_begin,      &f.page_end,     &f.req_begin,
-          &f.req_end,        &f.order,           &f.ending_indptr, &f.ending_reqs,
-          &f.children_indptr, &f.children,       &r.kv_page_indptr, &r.kv_start,
-          &r.kv_len,         &r.q_indptr,        &r.q_tokens,     &r.q_limit,
-          &r.q_out,          &r.tile_id,         &r.tile_indptr,  &r.merge_tokens,
+  return {&f.parent,         &f.page_begin,    &f.page_end,    &f.req_begin,       &f.req_end,
+          &f.order,          &f.ending_indptr, &f.ending_reqs, &f.children_indptr, &f.children,
+          &r.kv_page_indptr, &r.kv_start,      &r.kv_len,      &r.q_indptr,        &r.q_tokens,
+          &r.q_limit,        &r.q_out,         &r.tile_id,     &r.tile_indptr,     &r.merge_tokens,
           &r.merge_indptr,   &r.merge_partials};
 }
 
@@ -47,8 +46,8 @@ at::Tensor as_long(const at::Tensor& t, const char* name, int64_t dim) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qo_indptr,
     int64_t page_size, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds,
-    at::IntArrayRef n_sizes, c10::string_view packing, bool split_kv, bool forest_skips_idle) {
+    int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds, at::IntArrayRef n_sizes,
+    c10::string_view packing, bool split_kv, bool forest_skips_idle) {
   TORCH_CHECK(block_table.device().is_cpu(), "build_plan: block_table must be a CPU tensor");
   TORCH_CHECK(block_table.dim() == 2, "build_plan: block_table must be 2-D, got ",
               block_table.dim(), "-D");
@@ -132,8 +131,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     auto* owner = new std::vector<int32_t>(std::move(r.kv_pages));
     r.kv_pages = std::vector<int32_t>();
     pages = at::from_blob(
-        owner->data(), {static_cast<int64_t>(owner->size())},
-        [owner](void*) { delete owner; }, at::TensorOptions().dtype(at::kInt));
+        owner->data(), {static_cast<int64_t>(owner->size())}, [owner](void*) { delete owner; },
+        at::TensorOptions().dtype(at::kInt));
   }
   return {ints, meta, pages};
 }
@@ -150,6 +149,4 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(prefixattn, CPU, m) {
-  m.impl("build_plan", &prefixattn::plan::build_plan_op);
-}
+TORCH_LIBRARY_IMPL(prefixattn, CPU, m) { m.impl("build_plan", &prefixattn::plan::build_plan_op); }
