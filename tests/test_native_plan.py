@@ -193,3 +193,11 @@ def test_opcheck() -> None:
             list(tiles.m_sizes), [b for b, _ in tiles.n_by_kv_len],
             [n for _, n in tiles.n_by_kv_len], "memory", True, True)  # fmt: skip
     torch.library.opcheck(torch.ops.prefixattn.build_plan.default, args)
+
+
+def test_decreasing_qo_indptr_is_rejected() -> None:
+    # PrefixAttention.plan rejects it before planning; the native builder checks it too.
+    batch = _batch([[1, 2], [1, 3]], [2, 2], [1, 1], 1)
+    with pytest.raises(ValueError, match="decreasing"):
+        build_plan_native(batch.block_table, batch.seq_lens, np.array([0, 2, 1]), 1,
+                          BatchShape(8, 2, 64, 2), tile_table(64), "per_query", True)  # fmt: skip

@@ -697,6 +697,12 @@ void build_plan(const PlanParams& p, PlanResult& out) {
   if (p.page_size <= 0) throw std::invalid_argument("page_size must be positive");
   std::vector<int64_t> lens(p.seq_lens, p.seq_lens + p.batch);
   std::vector<int64_t> qo_indptr(p.qo_indptr, p.qo_indptr + p.batch + 1);
+  if (qo_indptr[0] < 0) throw std::invalid_argument("qo_indptr must not start below 0");
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (qo_indptr[b + 1] < qo_indptr[b]) {
+      throw std::invalid_argument("qo_indptr is decreasing at request " + std::to_string(b));
+    }
+  }
   std::vector<int64_t> forest_lens(lens.begin(), lens.end());
   if (p.forest_skips_idle) {
     for (int64_t b = 0; b < p.batch; ++b) {
