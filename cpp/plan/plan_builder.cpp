@@ -37,9 +37,17 @@ inline uint32_t bswap32(uint32_t x) {
 // First index in [c, e) where a and b differ, or e.
 inline int64_t mismatch(const int32_t* a, const int32_t* b, int64_t c, int64_t e) {
   // Long equal runs are the common case (shared prefixes): compare in large blocks first.
-  constexpr int64_t kLarge = 1024, kSmall = 16;
-  while (c + kLarge <= e && std::memcmp(a + c, b + c, kLarge * sizeof(int32_t)) == 0) c += kLarge;
-  while (c + kSmall <= e && std::memcmp(a + c, b + c, kSmall * sizeof(int32_t)) == 0) c += kSmall;
+  for (const int64_t block : {1024, 64}) {
+    while (c + block <= e && std::memcmp(a + c, b + c, block * sizeof(int32_t)) == 0) c += block;
+  }
+  // Inside the block that differs: two ids at a time, then one.
+  uint64_t x, y;
+  while (c + 2 <= e) {
+    std::memcpy(&x, a + c, sizeof(x));
+    std::memcpy(&y, b + c, sizeof(y));
+    if (x != y) break;
+    c += 2;
+  }
   while (c < e && a[c] == b[c]) ++c;
   return c;
 }
@@ -89,7 +97,12 @@ class SortRows {
     };
     std::vector<Task> todo;
     if (n > 1) todo.push_back({0, n, 0});
-    std::vector<std::pair<uint32_t, int32_t>> keyed;
+    struct Run {
+      uint32_t key;
+      int32_t begin, end;
+    };
+    std::vector<Run> runs;
+    std::vector<int32_t> saved;
     while (!todo.empty()) {
       const Task t = todo.back();
       todo.pop_back();
@@ -103,17 +116,31 @@ class SortRows {
         for (int32_t k = t.lo; k + 1 < t.hi; ++k) first[k] = width_;
         continue;
       }
-      keyed.clear();
-      for (int32_t k = t.lo; k < t.hi; ++k) keyed.emplace_back(bswap32(key(idx[k], e)), idx[k]);
-      std::sort(keyed.begin(), keyed.end());
-      for (int32_t k = t.lo; k < t.hi; ++k) idx[k] = keyed[k - t.lo].second;
-      int32_t k = t.lo;
-      while (k < t.hi) {
-        int32_t j = k + 1;
-        while (j < t.hi && keyed[j - t.lo].first == keyed[k - t.lo].first) ++j;
-        if (j < t.hi) first[j - 1] = e;
-        if (j - k > 1) todo.push_back({k, j, e + 1});
-        k = j;
+      // Order by the key at column e, ties in input order. Neighbours with equal keys (rows
+      // sharing a deeper prefix usually sit together) move as one run.
+      runs.clear();
+      for (int32_t k = t.lo; k < t.hi; ++k) {
+        const uint32_t kk = bswap32(key(idx[k], e));
+        if (runs.empty() || runs.back().key != kk) {
+          runs.push_back({kk, k, k + 1});
+        } else {
+          runs.back().end = k + 1;
+        }
+      }
+      std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) {
+        return x.key != y.key ? x.key < y.key : x.begin < y.begin;
+      });
+      saved.assign(idx.begin() + t.lo, idx.begin() + t.hi);
+      int32_t at = t.lo;
+      for (size_t r = 0; r < runs.size();) {
+        const int32_t start = at;
+        size_t q = r;
+        for (; q < runs.size() && runs[q].key == runs[r].key; ++q) {
+          for (int32_t k = runs[q].begin; k < runs[q].end; ++k) idx[at++] = saved[k - t.lo];
+        }
+        if (at < t.hi) first[at - 1] = e;
+        if (at - start > 1) todo.push_back({start, at, e + 1});
+        r = q;
       }
     }
   }
