@@ -509,6 +509,9 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
 
   // 2. Row chunks of at most max_tokens tokens per item.
   std::vector<int64_t> chunk_item, chunk_req, chunk_begin, chunk_end, chunk_first;
+  for (auto* v : {&chunk_item, &chunk_req, &chunk_begin, &chunk_end, &chunk_first}) {
+    v->reserve(static_cast<size_t>(n_items) + 1);
+  }
   {
     int64_t prev = -1, rank = 0;
     for (int64_t s = 0; s < n_slots; ++s) {
@@ -538,6 +541,10 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   // 3. Long-KV split into equal page-aligned parts; each part's visible slots.
   std::vector<int64_t> part_chunk, part_begin, part_end, part_slots, pair_first;
   std::vector<int64_t> pair_slot;
+  for (auto* v : {&part_chunk, &part_begin, &part_end, &part_slots, &pair_first}) {
+    v->reserve(2 * static_cast<size_t>(n_chunks) + 1);
+  }
+  pair_slot.reserve(2 * static_cast<size_t>(n_slots));
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t len = chunk_end[c] - chunk_begin[c];
     const int64_t pages = ceildiv(len, ps);
@@ -593,14 +600,22 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   for (int64_t k = 0; k < n_alive; ++k) {
     tid_alive[k] = std::lower_bound(used.begin(), used.end(), alive_key[k]) - used.begin();
   }
+  // By tile, then longest first, then position (a stable sort on the first two).
+  struct Order {
+    int64_t tid, neg_len, pos;
+    bool operator<(const Order& o) const {
+      if (tid != o.tid) return tid < o.tid;
+      if (neg_len != o.neg_len) return neg_len < o.neg_len;
+      return pos < o.pos;
+    }
+  };
+  std::vector<Order> by_tile(n_alive);
+  for (int64_t k = 0; k < n_alive; ++k) {
+    by_tile[k] = {tid_alive[k], part_begin[alive[k]] - part_end[alive[k]], k};
+  }
+  std::sort(by_tile.begin(), by_tile.end());
   std::vector<int64_t> perm_pos(n_alive);
-  std::iota(perm_pos.begin(), perm_pos.end(), 0);
-  std::stable_sort(perm_pos.begin(), perm_pos.end(), [&](int64_t a, int64_t b) {
-    if (tid_alive[a] != tid_alive[b]) return tid_alive[a] < tid_alive[b];
-    const int64_t la = part_end[alive[a]] - part_begin[alive[a]];
-    const int64_t lb = part_end[alive[b]] - part_begin[alive[b]];
-    return la > lb;
-  });
+  for (int64_t k = 0; k < n_alive; ++k) perm_pos[k] = by_tile[k].pos;
   const int64_t num_items = n_alive;
   const int64_t num_tiles = static_cast<int64_t>(used.size());
   for (int64_t k : used) {
