@@ -194,6 +194,10 @@ def build_plan_native(
     Arguments as for :func:`prefixattn.forest.build_forest` and
     :func:`prefixattn.packer.pack`. With ``forest_skips_idle=False`` the forest is built from
     ``seq_lens`` as given (``build_forest(block_table, seq_lens, page_size)``).
+
+    The forest's ``children`` is a read-only sequence that equals the Python forest's list of
+    lists; its lists are built on first use. Host work only (not for graph capture or
+    ``torch.compile``); the GIL is held and each thread reuses its own scratch memory.
     """
     op = _load()
     if op is None:
