@@ -197,7 +197,7 @@ def build_plan_native(
 
     The forest's ``children`` is a read-only sequence that equals the Python forest's list of
     lists; its lists are built on first use. Host work only (not for graph capture or
-    ``torch.compile``); the GIL is held and each thread reuses its own scratch memory.
+    ``torch.compile``); each calling thread reuses its own scratch memory.
     """
     op = _load()
     if op is None:
