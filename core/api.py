@@ -10,6 +10,7 @@ import torch
 
 from .buffers import COUNTS, PlanBuffers, load_on_host
 from .forest import build_forest
+from .native_plan import build_plan_native, native_plan_available
 from .packer import PACKINGS, BatchShape, pack
 from .plan import LaunchPlan
 from .reference import run_plan_reference
@@ -99,8 +100,10 @@ class PrefixAttention:
             num_qo_heads, num_kv_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
         )
         self._plan: LaunchPlan | None = None
-        self._workspace: Any = None
         self._buffers: PlanBuffers | None = None
+        self.native_plan = True
+        """Build plans with the compiled planner when it is installed (identical output to
+        the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
 
     @property
     def buffers_generation(self) -> int:
@@ -182,11 +185,16 @@ class PrefixAttention:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
 
-        # Requests without new tokens (padding) take no part in the forest.
-        forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
-        host, tiles, tile_indptr, acc = pack(
-            forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv
-        )
+        if self.native_plan and native_plan_available():
+            forest, host, tiles, tile_indptr, acc = build_plan_native(
+                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv
+            )
+        else:
+            # Requests without new tokens (padding) take no part in the forest.
+            forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
+            host, tiles, tile_indptr, acc = pack(
+                forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv
+            )
         _check_pages(host.kv_pages, table, lens, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
@@ -269,9 +277,9 @@ class PrefixAttention:
         plan:
             The plan to run (default: the last one :meth:`plan` built).
 
-        Returns ``out`` (or a new tensor). With CUDA tensors and the compiled kernels this
-        allocates nothing when ``out`` is given, does no host sync and may be captured in a
-        CUDA graph; otherwise it executes the plan with the PyTorch reference.
+        Returns ``out`` (or a new tensor). The plan is executed by the PyTorch reference
+        (``prefixattn.reference.run_plan_reference``) on any device; the CUDA kernels that
+        will execute it on GPUs are not part of this release.
         """
         plan = plan if plan is not None else self._plan
         if plan is None:
@@ -280,15 +288,6 @@ class PrefixAttention:
         if out is None:
             out = torch.empty_like(q)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            from . import _ops  # loads the compiled library on first use
-
-            if not _ops.cuda_ops_available():
-                return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
-            if self._workspace is None:
-                self._workspace = _ops.Workspace(q.device)
-            _ops.run_plan_cuda(plan, q, k_cache, v_cache, out, scale, self._workspace)
-            return out
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
 
     def _check_run_inputs(

@@ -1,4 +1,4 @@
-"""``prefixattn`` command line: ``demo``, ``plan-bench`` and ``bench``."""
+"""``prefixattn`` command line: ``demo`` and ``plan-bench``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .api import PrefixAttention
+from .native_plan import native_plan_available
 from .packer import PACKINGS
 from .reference import attention_reference
 from .workloads import parse_tree, tree_batch
@@ -95,11 +96,6 @@ def demo(argv: list[str] | None = None) -> int:
     q = torch.randn((plan.num_tokens, hq, args.head_dim), generator=gen).to(device, dtype)
     out = pa.run(q, k_cache, v_cache)
     engine = "PyTorch reference"
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        from . import _ops
-
-        if _ops.cuda_ops_available():
-            engine = "CUDA kernels"
     bt = torch.from_numpy(block_table).to(device)
     sl = torch.from_numpy(seq_lens).to(device)
     ref = attention_reference(q, k_cache, v_cache, bt, sl)
@@ -123,6 +119,10 @@ def plan_bench(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-sizes", default="16,1")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--packing", default="memory", choices=PACKINGS)
+    parser.add_argument(
+        "--impl", default="both", choices=("native", "python", "both"),
+        help="compiled planner, the Python reference implementation, or both",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hq, hkv = args.heads
     tree = parse_tree(args.tree)
@@ -132,46 +132,46 @@ def plan_bench(argv: list[str] | None = None) -> int:
     for ps in (int(x) for x in args.page_sizes.split(",")):
         bt, sl = tree_batch(tree, ps)
         pa = PrefixAttention(hq, hkv, 128, ps)
-        times = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            pa.plan(bt, sl, packing=args.packing)
-            times.append(time.perf_counter() - t0)
-        t = np.asarray(times) * 1e3
-        print(
-            f"page_size {ps:>3}: block table {bt.shape[0]}x{bt.shape[1]}, plan median "
-            f"{np.median(t):.3f} ms (min {t.min():.3f}, p90 {np.percentile(t, 90):.3f}) "
-            f"over {args.repeat} runs, {pa.last_plan.num_work_items if pa.last_plan else 0} items"
-        )
+        impls = ("native", "python") if args.impl == "both" else (args.impl,)
+        for impl in impls:
+            pa.native_plan = impl == "native"
+            if impl == "native" and not native_plan_available():
+                print(f"page_size {ps:>3}: the native planner is not built")
+                continue
+            times = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                pa.plan(bt, sl, packing=args.packing)
+                times.append(time.perf_counter() - t0)
+            t = np.asarray(times) * 1e3
+            items = pa.last_plan.num_work_items if pa.last_plan else 0
+            print(
+                f"page_size {ps:>3} {impl:>6}: block table {bt.shape[0]}x{bt.shape[1]}, "
+                f"plan median {np.median(t):.3f} ms (min {t.min():.3f}, "
+                f"p90 {np.percentile(t, 90):.3f}) over {args.repeat} runs, {items} items"
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
+    commands = {"demo": demo, "plan-bench": plan_bench}
     if argv and argv[0] in ("-h", "--help"):
         print(
-            "usage: prefixattn {demo,plan-bench,bench} [options]\n"
+            "usage: prefixattn {demo,plan-bench} [options]\n"
             "  demo        plan and run a shared-prefix batch (default when no command)\n"
-            "  plan-bench  time plan construction on the host\n"
-            "  bench       kernel benchmark against the HBM floor and FlashInfer (GPU)"
+            "  plan-bench  time plan construction on the host"
         )
         return 0
     if not argv or argv[0].startswith("-"):
         return demo(argv)
     if argv[0] not in commands:
         print(
-            f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
+            f"prefixattn: unknown command {argv[0]!r}; try demo or plan-bench",
             file=sys.stderr,
         )
         return 2
     return commands[argv[0]](argv[1:])
-
-
-def _bench(argv: list[str]) -> int:
-    from . import bench
-
-    return int(bench.main(argv) or 0)
 
 
 if __name__ == "__main__":
