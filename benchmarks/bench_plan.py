@@ -10,8 +10,8 @@ Prints, per page size, the median (and min / p90) over ``--repeat`` calls of:
   numpy in and out);
 - ``native op``: the op call alone (torch tensors in and out, no Python objects built);
 - ``plan() python`` / ``plan() native``: a whole ``PrefixAttention.plan`` call (argument
-  checks, plan object, CPU tensors), with its forest and packing done by the Python functions
-  or by the native builder. The native plans are checked to equal the Python ones.
+  checks, plan object, CPU tensors) with ``native_plan`` off / on. The native plan is checked
+  to equal the Python one.
 
 Run on an otherwise idle core for stable numbers; the medians are what to compare.
 """
@@ -19,15 +19,13 @@ Run on an otherwise idle core for stable numbers; the medians are what to compar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from prefixattn import PrefixAttention, build_forest, tree_batch
-from prefixattn import api as api_module
 from prefixattn.native_plan import build_plan_native, native_plan_available
 from prefixattn.packer import PACKINGS, pack
 
@@ -41,30 +39,6 @@ def _times(fn: Callable[[], object], repeat: int) -> np.ndarray:
         fn()
         out[i] = time.perf_counter() - t0
     return out * 1e6
-
-
-@contextlib.contextmanager
-def _native_plan(pa: PrefixAttention, indptr: np.ndarray, packing: str) -> Iterator[None]:
-    """PrefixAttention.plan with its build_forest + pack calls served by the native builder."""
-    saved = api_module.build_forest, api_module.pack
-    state: dict[str, tuple] = {}
-
-    def forest_fn(table: np.ndarray, lens: np.ndarray, page_size: int):  # type: ignore[no-untyped-def]
-        # plan() passes seq_lens already zeroed for requests without new tokens.
-        state["r"] = build_plan_native(
-            table, lens, indptr, page_size, pa._shape, pa.tiles, packing, True,
-            forest_skips_idle=False,
-        )  # fmt: skip
-        return state["r"][0]
-
-    def pack_fn(forest, table, lens, qo_indptr, shape, tiles, packing_, split_kv):  # type: ignore[no-untyped-def]
-        return state["r"][1:]
-
-    api_module.build_forest, api_module.pack = forest_fn, pack_fn  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        api_module.build_forest, api_module.pack = saved
 
 
 def _bench_page_size(args: argparse.Namespace, hq: int, hkv: int, ps: int) -> None:
@@ -90,25 +64,27 @@ def _bench_page_size(args: argparse.Namespace, hq: int, hkv: int, ps: int) -> No
     def native_op() -> object:
         return op(*op_args)
 
-    def plan_python() -> object:
+    def plan_call() -> object:
         return pa.plan(bt, sl, packing=args.packing)
 
-    reference = plan_python()
-    with _native_plan(pa, indptr, args.packing):
-        native_plan = pa.plan(bt, sl, packing=args.packing)
-        for name in reference.host.__dataclass_fields__:
-            np.testing.assert_array_equal(
-                getattr(native_plan.host, name), getattr(reference.host, name)
-            )
-        assert native_plan.tiles == reference.tiles
-        assert native_plan.kv_bytes == reference.kv_bytes
-        t_plan_native = _times(plan_python, args.repeat)
+    pa.native_plan = False
+    reference = pa.plan(bt, sl, packing=args.packing)
+    t_plan_python = _times(plan_call, args.repeat)
+    pa.native_plan = True
+    native_plan = pa.plan(bt, sl, packing=args.packing)
+    for name in reference.host.__dataclass_fields__:
+        np.testing.assert_array_equal(
+            getattr(native_plan.host, name), getattr(reference.host, name)
+        )
+    assert native_plan.tiles == reference.tiles
+    assert native_plan.kv_bytes == reference.kv_bytes
+    t_plan_native = _times(plan_call, args.repeat)
 
     rows = [
         ("python", _times(python, args.repeat)),
         ("native", _times(native, args.repeat)),
         ("native op", _times(native_op, args.repeat)),
-        ("plan() python", _times(plan_python, args.repeat)),
+        ("plan() python", t_plan_python),
         ("plan() native", t_plan_native),
     ]
     print(f"page_size {ps}: block table {bt.shape[0]}x{bt.shape[1]}, "
