@@ -36,7 +36,7 @@ class PlanBuffers:
     def reserve(self, **sizes: int) -> None:
         """Make sure buffer ``name`` holds at least ``sizes[name]`` entries."""
         for name, size in sizes.items():
-            if self.capacity(name) < size:
+            if name not in self._buffers or self.capacity(name) < size:
                 self._buffers[name] = torch.empty(
                     max(size, 2 * self.capacity(name), 64), dtype=torch.int32, device=self.device
                 )

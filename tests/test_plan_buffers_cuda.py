@@ -23,7 +23,8 @@ def test_addresses_stay_while_plans_fit() -> None:
     for tree in ("1,4,64_1024,256,128", "2,8,16_256,256,32", "256_1024"):
         table, lens = tree_batch(tree, 16)
         plan = pa.plan(table, lens)
-        now = {n: getattr(plan, n).data_ptr() for n in NAMES}
+        # The storage, not data_ptr(): an empty view reports address 0.
+        now = {n: getattr(plan, n).untyped_storage().data_ptr() for n in NAMES}
         assert addresses is None or now == addresses
         addresses = now
         for n in NAMES[:-1]:
@@ -32,6 +33,14 @@ def test_addresses_stay_while_plans_fit() -> None:
         assert counts["num_work_items"] == plan.num_work_items
         assert counts["num_tokens"] == plan.num_tokens
     assert pa.buffers_generation == gen
+
+
+def test_empty_arrays_get_buffers_too() -> None:
+    pa = PrefixAttention(8, 2, 64, 16, device="cuda")
+    table, lens = tree_batch("256_64", 16)  # nothing shared: no merge arrays
+    plan = pa.plan(table, lens)
+    assert plan.num_merge_tokens == 0 and plan.merge_tokens.numel() == 0
+    assert plan.merge_tokens.is_cuda
 
 
 def test_growing_bumps_the_generation() -> None:
