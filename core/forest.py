@@ -25,6 +25,7 @@ Example (page_size 2)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class PrefixForest:
     order: np.ndarray
     ending_indptr: np.ndarray
     ending_reqs: np.ndarray
-    children: list[list[int]]
+    children: Sequence[list[int]]
 
     @property
     def num_nodes(self) -> int:

@@ -240,7 +240,7 @@ def build_plan_native(
     forest = PrefixForest(
         page_size=page_size,
         token_end=token_end,
-        children=children,  # type: ignore[arg-type]
+        children=children,
         **f,
     )
     plan_arrays = dict(zip(_PLAN_FIELDS, arrays[nf:], strict=True))
