@@ -342,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = TinyLlama(ModelConfig())
     reqs = shared_prefix_requests(args.requests)
-    engine = Engine(model, block_size=args.block_size, device=args.device, dtype=dtype)
+    num_blocks = 8192 // args.block_size + 64  # room for every request's tokens
+    engine = Engine(
+        model, num_blocks=num_blocks, block_size=args.block_size, device=args.device, dtype=dtype
+    )
     got = engine.generate([dataclasses.replace(r) for r in reqs])
     ref = reference_generate(TinyLlama(ModelConfig()).to(args.device, torch.float64), reqs)
     same = sum(got[r.rid] == ref[r.rid] for r in reqs)
