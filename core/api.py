@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class PrefixAttention:
     """Prefix-aware paged attention for one model's attention shape.
 
-    Build one per model (or per attention shape) and keep it: it owns the kernels' workspace.
+    Build one per model (or per attention shape) and keep it: it owns the plan's device buffers.
     Each step, call :meth:`plan` once with the batch's block table and lengths; then call
     :meth:`run` in every layer with that layer's query and KV cache.
 
