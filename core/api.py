@@ -14,7 +14,6 @@ from .native_plan import build_plan_native, native_plan_available
 from .packer import PACKINGS, BatchShape, pack
 from .plan import LaunchPlan
 from .reference import run_plan_reference
-from .schedule import schedule_arrays
 from .tiles import SUPPORTED_HEAD_DIMS, tile_table
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -208,8 +207,7 @@ class PrefixAttention:
              acc["num_partials"], num_tokens],
             dtype=np.int32,
         )  # fmt: skip
-        extra_arrays = schedule_arrays(host, self.num_kv_heads)
-        arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | extra_arrays | {"counts": counts}
+        arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}
         dev = self.device
         if dev.type == "cuda":
             if self._buffers is None:
@@ -217,7 +215,6 @@ class PrefixAttention:
             views = self._buffers.load(arrays)
         else:
             views = load_on_host(arrays)
-        extras = {k: views[k] for k in extra_arrays}
         plan = LaunchPlan(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,
@@ -243,7 +240,6 @@ class PrefixAttention:
             device=dev,
             **{n: views[n] for n in _DEVICE_ARRAYS},
             counts=views["counts"],
-            extras=extras,
             host=host,
             forest=forest,
         )

@@ -37,7 +37,6 @@ tile_indptr[t+1]-1`` all use tile ``tiles[t]``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -166,8 +165,6 @@ class LaunchPlan:
     """int32 [6] on ``device``: num_work_items, num_slots, num_pages, num_merge_tokens,
     num_partials, num_tokens (``prefixattn.buffers.COUNTS``), for kernels launched with a
     fixed grid (CUDA graphs) that read the plan's sizes from device memory."""
-    extras: Mapping[str, torch.Tensor]
-    """Kernel schedule arrays from :func:`prefixattn.schedule.schedule_arrays`, on ``device``."""
     # Host copies and the forest the plan came from.
     host: PlanArrays
     forest: PrefixForest

@@ -1,8 +1,9 @@
 """Per-architecture tile tables: which (m, n) forward kernels exist and how an item picks one.
 
 ``m`` is the query-tile height in rows (tokens x GQA group), ``n`` the KV tokens per tile.
-The table is data: the feasible set and the KV-length thresholds come from the derivation in
-docs/kernels.md (shared memory, registers and bytes in flight on the H200).
+The table is data. The sm90 entries are the PAT paper's feasible set for Hopper (powers of two
+from 16, larger KV tiles for long items); they are to be re-derived from the CUDA kernels'
+shared-memory, register and bytes-in-flight limits once those kernels exist.
 """
 
 from __future__ import annotations
