@@ -1,0 +1,271 @@
+"""SGLang attention backend: SGLang's batch metadata and KV pool in, the core's plan/run out.
+
+SGLang keeps one token per slot by default (``page_size`` 1): ``req_to_token[r, i]`` is the
+slot of request ``r``'s token ``i``, and ``k_buffer[layer]`` is ``[size + page_size, Hkv, D]``.
+The radix cache rewrites the rows of requests that share a prefix to the same leading slots,
+so the rows themselves describe the sharing. This module views the pool as an NHD paged cache
+``[num_pages, page_size, Hkv, D]`` (a view, no copy) and turns the batch's rows into a block
+table of page ids; the core finds the shared prefixes and does the attention.
+
+Worked example, page_size 4, two requests sharing their first 8 tokens::
+
+    req_to_token[r0, :10] = [8 9 10 11 12 13 14 15 40 41]
+    req_to_token[r1, :9]  = [8 9 10 11 12 13 14 15 60]
+    block_table = rows[:, ::4] // 4 = [[2, 3, 10], [2, 3, 15]]    (pages 2, 3 shared)
+
+SGLang allocates whole pages per request, so a row's slots inside one page are consecutive
+and its first slot in each page is page-aligned.
+
+One plan per step: :meth:`PrefixAttnBackend.init_forward_metadata` builds it (host work, one
+device-to-host copy of the batch's rows) and every layer's ``forward_*`` reuses it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.runtime_context import get_parallel
+
+from prefixattn import PrefixAttention
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from prefixattn.plan import LaunchPlan
+
+
+def core_runs_cuda_kernels() -> bool:
+    """Whether the installed core executes plans with compiled CUDA kernels.
+
+    Without them, CUDA tensors run the PyTorch reference, which reads the plan on the host
+    and therefore cannot be captured in a CUDA graph.
+    """
+    return importlib.util.find_spec("prefixattn._ops") is not None
+
+
+@dataclass
+class ForwardMetadata:
+    """What one step's layers share."""
+
+    plan: LaunchPlan
+    """The step's launch plan (one for all layers)."""
+    num_tokens: int
+    """Query rows the plan covers; rows of q beyond it are padding."""
+
+
+class PrefixAttnBackend(AttentionBackend):
+    """``--attention-backend prefixattn``: prefix-aware paged attention for MHA/GQA models.
+
+    Serves decode, extend (prefill with a cached prefix) and mixed chunked-prefill batches
+    with one plan per step. Refuses what it does not implement (sliding windows, logit
+    caps, cross attention, different K and V head sizes) with an error naming the layer.
+    """
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        config = model_runner.model_config
+        tp = get_parallel().attn_tp_size
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = int(model_runner.page_size)
+        self.num_qo_heads = config.get_num_attention_heads(tp)
+        self.num_kv_heads = config.get_num_kv_heads(tp)
+        self.head_dim = int(config.head_dim)
+        self.dtype = model_runner.kv_cache_dtype
+        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(
+                f"prefixattn: KV cache dtype {self.dtype} is not supported "
+                "(use --kv-cache-dtype auto with a float16/bfloat16 model)"
+            )
+        self.core = PrefixAttention(
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            kv_layout="NHD",
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.forward_metadata: ForwardMetadata | None = None
+        self._graph_generation: int | None = None
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
+        """Build the step's plan on the host (outside any graph; its arrays land in the
+        core's fixed device buffers when the core runs CUDA kernels)."""
+        if forward_batch.forward_mode.is_idle():
+            self.forward_metadata = None
+            return
+        block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
+        plan = self.core.plan(block_table, seq_lens, qo_indptr)
+        if self._graph_generation is not None and not in_capture:
+            if self.core.buffers_generation != self._graph_generation:
+                raise RuntimeError(
+                    "prefixattn: a plan outgrew the buffers reserved for CUDA graphs; "
+                    "restart with a larger reservation or with --disable-cuda-graph"
+                )
+        self.forward_metadata = ForwardMetadata(plan, plan.num_tokens)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """Nothing to record: the plan's device arrays are written before replay."""
+
+    def _batch_tables(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Block table [B, pages], seq_lens [B] and qo_indptr [B+1] (None for decode), on host."""
+        bs = forward_batch.batch_size
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        if seq_lens_cpu is None or seq_lens_cpu.shape[0] < bs:
+            seq_lens_cpu = forward_batch.seq_lens[:bs].cpu()
+        seq_lens = seq_lens_cpu[:bs].numpy().astype(np.int32)
+        max_len = int(seq_lens.max(initial=0))
+        max_len = max(max_len, 1)
+        ps = self.page_size
+        req = forward_batch.req_pool_indices[:bs]
+        # One gather and one device-to-host copy of the batch's rows; with page_size > 1
+        # only the first slot of each page travels.
+        rows = self.req_to_token_pool.req_to_token[req, :max_len:ps]
+        block_table = rows.cpu().numpy() // ps
+        block_table = block_table.astype(np.int32, copy=False)
+
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            qo_indptr = None
+        elif mode.name in ("EXTEND", "MIXED"):
+            extend_lens = forward_batch.extend_seq_lens_cpu
+            if extend_lens is None:
+                extend_lens = forward_batch.extend_seq_lens[:bs].cpu().tolist()
+            qo_indptr = np.zeros(bs + 1, dtype=np.int32)
+            np.cumsum(np.asarray(extend_lens[:bs], dtype=np.int64), out=qo_indptr[1:])
+        else:
+            raise NotImplementedError(
+                f"prefixattn: forward mode {mode.name} is not supported "
+                "(decode, extend and mixed are)"
+            )
+        return block_table, seq_lens, qo_indptr
+
+    # ---------------------------------------------------------------- CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Reserve fixed device buffers for the plans that graphs will replay.
+
+        The captured kernels read the plan from the core's buffers; each step's plan is
+        copied into them before replay, so they must keep their addresses: they are sized
+        here for the largest captured batch.
+        """
+        if self.device.type != "cuda":
+            return
+        if not core_runs_cuda_kernels():
+            raise RuntimeError(
+                "prefixattn: CUDA graphs need the compiled CUDA kernels of prefixattn, which "
+                "this installation lacks (CUDA tensors run the PyTorch reference, which plans "
+                "on the host and cannot be captured); start SGLang with --disable-cuda-graph"
+            )
+        max_pages = self.req_to_token_pool.req_to_token.shape[1] // self.page_size + 1
+        # Decode: one query per request; a request yields at most one leaf item and its
+        # share of internal nodes (< one per request), each possibly split in parts.
+        max_items = 4 * max_bs + 256
+        self.core.reserve(
+            num_work_items=max_items,
+            num_pages=max_bs * max_pages,
+            num_slots=4 * max_num_tokens + 256,
+            num_tokens=max_num_tokens,
+        )
+        self._graph_generation = self.core.buffers_generation
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded requests attend to one slot (req_to_token row 0, slot 0): a valid plan."""
+        return 1
+
+    # ------------------------------------------------------------------ forward
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """q: [T, Hq*D] (or [T, Hq, D]); k, v: [T, Hkv, D]; returns [T, Hq*D]."""
+        self._check_layer(layer)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc), k, v
+            )
+        meta = self.forward_metadata
+        if meta is None:
+            raise RuntimeError("prefixattn: forward called before init_forward_metadata")
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, hq, d)
+        out = q.new_empty(q3.shape[0], hq * layer.v_head_dim)
+        out3 = out.view(-1, hq, layer.v_head_dim)
+        n = meta.num_tokens
+        if q3.shape[0] > n:
+            # Rows past the plan are padding (padded token counts); their output is unused.
+            out3[n:].zero_()
+        shape = (-1, self.page_size, layer.tp_k_head_num, d)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
+        self.core.run(
+            q3[:n], k_cache, v_cache, scale=layer.scaling, out=out3[:n], plan=meta.plan
+        )
+        return out
+
+    def _check_layer(self, layer: RadixAttention) -> None:
+        reasons = []
+        if getattr(layer, "is_cross_attention", False):
+            reasons.append("cross attention")
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            reasons.append(f"sliding window {layer.sliding_window_size}")
+        if layer.logit_cap and layer.logit_cap > 0:
+            reasons.append(f"logit cap {layer.logit_cap}")
+        if layer.qk_head_dim != layer.v_head_dim:
+            reasons.append(f"K head size {layer.qk_head_dim} != V head size {layer.v_head_dim}")
+        if (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim) != (
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        ):
+            reasons.append(
+                f"heads/head_dim ({layer.tp_q_head_num}, {layer.tp_k_head_num}, "
+                f"{layer.qk_head_dim}) differ from the model's ({self.num_qo_heads}, "
+                f"{self.num_kv_heads}, {self.head_dim})"
+            )
+        if reasons:
+            raise NotImplementedError(
+                f"prefixattn: layer {layer.layer_id} is not supported: " + "; ".join(reasons)
+            )

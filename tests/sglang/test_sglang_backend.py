@@ -1,0 +1,267 @@
+"""The SGLang backend on CPU: SGLang 0.5.17's real memory pools and ForwardBatch, this backend
+through SGLang's own ``AttentionBackend.forward`` dispatch, against plain attention.
+
+Batches imitate what the radix cache produces: requests that share a prefix have the same
+leading slot ids in their ``req_to_token`` rows (page-aligned runs for page_size > 1), private
+tails get fresh slots. The ground truth gathers each request's KV token by token from its
+row (``attention_reference`` over a page-size-1 view of the pool), independent of the
+backend's page-table translation.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+from prefixattn import attention_reference  # noqa: E402
+from prefixattn.adapters.sglang_backend import PrefixAttnBackend  # noqa: E402
+
+DTYPE = torch.float32
+MAX_CONTEXT = 384
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_rank():
+    # No distributed init in unit tests: the attention TP degree is 1.
+    override = get_parallel().override(attn_tp_size=1)
+    override.__enter__()
+    yield
+    override.__exit__(None, None, None)
+
+
+class _ModelConfig:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_attention_heads = num_heads
+        self.num_key_value_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def get_num_attention_heads(self, tp_size: int) -> int:
+        return self.num_attention_heads // tp_size
+
+    def get_num_kv_heads(self, tp_size: int) -> int:
+        return self.num_key_value_heads // tp_size
+
+
+def _runner(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, max_reqs: int):
+    req_pool = ReqToTokenPool(
+        size=max_reqs, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
+    )
+    kv_pool = MHATokenToKVPool(
+        size=max_reqs * MAX_CONTEXT + page_size,
+        page_size=page_size,
+        dtype=DTYPE,
+        head_num=num_kv_heads,
+        head_dim=head_dim,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    return SimpleNamespace(
+        device="cpu",
+        page_size=page_size,
+        kv_cache_dtype=DTYPE,
+        model_config=_ModelConfig(num_heads, num_kv_heads, head_dim),
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        use_mla_backend=False,
+    )
+
+
+class _SlotAllocator:
+    """Hands out whole pages, from page 1 on (page 0 is SGLang's padding page)."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.next_page = 1
+
+    def tokens(self, n: int) -> list[int]:
+        pages = -(-n // self.page_size)
+        first = self.next_page * self.page_size
+        self.next_page += pages
+        return list(range(first, first + n))
+
+
+def _rows(tree: list[tuple[tuple[int, ...], int]], page_size: int) -> list[list[int]]:
+    """Slot rows for requests described as (prefix path of node ids, private tail length).
+
+    Node ``i`` has length ``NODE_LENS[i] * page_size`` and its slots are shared by every
+    request whose path contains it (as the radix cache leaves them).
+    """
+    alloc = _SlotAllocator(page_size)
+    node_slots: dict[int, list[int]] = {}
+    rows = []
+    for path, tail in tree:
+        row: list[int] = []
+        for node in path:
+            if node not in node_slots:
+                node_slots[node] = alloc.tokens(NODE_LENS[node] * page_size)
+            row += node_slots[node]
+        rows.append(row + alloc.tokens(tail))
+    return rows
+
+
+# Node lengths in pages: odd sizes (1 page, 3, 7, 13) so runs end at odd offsets.
+NODE_LENS = {0: 13, 1: 7, 2: 3, 3: 1, 4: 5}
+# Two levels under a common root, one request on a separate root, one with nothing shared.
+TREE = [
+    ((0, 1), 1),
+    ((0, 1), 6),
+    ((0, 1, 3), 2),
+    ((0, 2), 9),
+    ((0, 2), 1),
+    ((0,), 17),
+    ((4,), 3),
+    ((), 11),
+]
+
+
+def _layer(layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> RadixAttention:
+    return RadixAttention(
+        num_heads=num_heads,
+        head_dim=head_dim,
+        scaling=head_dim**-0.5,
+        num_kv_heads=num_kv_heads,
+        layer_id=layer_id,
+    )
+
+
+def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2):
+    head_dim = 64
+    gen = torch.Generator().manual_seed(1234 + page_size)
+    rows = _rows(TREE, page_size)
+    bs = len(rows)
+    runner = _runner(page_size, num_heads, num_kv_heads, head_dim, max_reqs=bs + 2)
+    backend = PrefixAttnBackend(runner)
+    pool = runner.token_to_kv_pool
+    req_to_token = runner.req_to_token_pool.req_to_token
+
+    # New tokens per request: decode 1 each; extend a few (cached prefix before them);
+    # mixed = extend requests beside decode requests (query length 1), as chunked prefill.
+    if mode == "decode":
+        new_lens = [1] * bs
+    elif mode == "extend":
+        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 4, 2, 7, 1, 3, 5, 11])]
+    else:
+        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 1, 5, 1, 1, 3, 1, 11])]
+    seq_lens = [len(r) for r in rows]
+    prefix_lens = [s - n for s, n in zip(seq_lens, new_lens)]
+    req_pool_indices = torch.arange(1, bs + 1, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+
+    layers = [_layer(lid, num_heads, num_kv_heads, head_dim) for lid in range(2)]
+    # Cached tokens (shared prefixes once, tails per request) go into the pool first.
+    cached = sorted({s for row, p in zip(rows, prefix_lens) for s in row[:p]})
+    if cached:
+        loc = torch.tensor(cached, dtype=torch.int64)
+        for layer in layers:
+            k = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+            v = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+            pool.set_kv_buffer(layer, loc, k, v)
+
+    out_cache_loc = torch.tensor(
+        [s for row, p in zip(rows, prefix_lens) for s in row[p:]], dtype=torch.int64
+    )
+    num_tokens = sum(new_lens)
+    positions = torch.tensor(
+        [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)], dtype=torch.int64
+    )
+    forward_mode = {
+        "decode": ForwardMode.DECODE,
+        "extend": ForwardMode.EXTEND,
+        "mixed": ForwardMode.MIXED,
+    }[mode]
+    batch = ForwardBatch(
+        forward_mode=forward_mode,
+        batch_size=bs,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        req_pool_indices=req_pool_indices,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        out_cache_loc=out_cache_loc,
+        seq_lens_sum=sum(seq_lens),
+        positions=positions,
+    )
+    if mode != "decode":
+        batch.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32)
+        batch.extend_prefix_lens_cpu = prefix_lens
+        batch.extend_seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+        batch.extend_seq_lens_cpu = new_lens
+        batch.extend_num_tokens = num_tokens
+
+    backend.init_forward_metadata(batch)
+    plan = backend.forward_metadata.plan
+    # Shared prefixes are found: fewer distinct KV bytes than one read per request.
+    assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+
+    qo_indptr = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    token_table = torch.zeros(bs, MAX_CONTEXT, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        token_table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    for layer in layers:
+        q = torch.randn(num_tokens, num_heads * head_dim, generator=gen, dtype=DTYPE)
+        k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        out = backend.forward(q, k, v, layer, batch)
+        assert out.shape == (num_tokens, num_heads * head_dim)
+        # The new K/V went through set_kv_buffer.
+        torch.testing.assert_close(pool.get_key_buffer(layer.layer_id)[out_cache_loc], k)
+        torch.testing.assert_close(pool.get_value_buffer(layer.layer_id)[out_cache_loc], v)
+        k_tok = pool.get_key_buffer(layer.layer_id).view(-1, 1, num_kv_heads, head_dim)
+        v_tok = pool.get_value_buffer(layer.layer_id).view(-1, 1, num_kv_heads, head_dim)
+        expected = attention_reference(
+            q.view(num_tokens, num_heads, head_dim).double(),
+            k_tok.double(),
+            v_tok.double(),
+            token_table,
+            torch.tensor(seq_lens, dtype=torch.int32),
+            None if mode == "decode" else qo_indptr,
+            scale=layer.scaling,
+        )
+        # fp32 inputs; the bound is a few ulps of fp32 times the softmax's accumulation depth.
+        tol = 8 * torch.finfo(DTYPE).eps * math.sqrt(MAX_CONTEXT)
+        torch.testing.assert_close(
+            out.view(num_tokens, num_heads, head_dim).double(), expected, atol=tol, rtol=tol
+        )
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["decode", "extend", "mixed"])
+def test_shared_prefix_batch_equals_plain_attention(page_size: int, mode: str):
+    _run_case(page_size, mode)
+
+
+def test_mha_heads():
+    _run_case(1, "decode", num_heads=4, num_kv_heads=4)
+
+
+def test_refuses_sliding_window():
+    runner = _runner(1, 4, 2, 64, max_reqs=2)
+    backend = PrefixAttnBackend(runner)
+    layer = RadixAttention(
+        num_heads=4,
+        head_dim=64,
+        scaling=0.125,
+        num_kv_heads=2,
+        layer_id=0,
+        sliding_window_size=8,
+    )
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        backend._check_layer(layer)
+
+
+def test_cuda_graph_fill_value_is_one():
+    backend = PrefixAttnBackend(_runner(1, 4, 2, 64, max_reqs=2))
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)  # CPU: nothing to reserve
