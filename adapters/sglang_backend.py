@@ -108,12 +108,15 @@ class PrefixAttnBackend(AttentionBackend):
             return
         block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
         plan = self.core.plan(block_table, seq_lens, qo_indptr)
-        if self._graph_generation is not None and not in_capture:
-            if self.core.buffers_generation != self._graph_generation:
-                raise RuntimeError(
-                    "prefixattn: a plan outgrew the buffers reserved for CUDA graphs; "
-                    "restart with a larger reservation or with --disable-cuda-graph"
-                )
+        if (
+            self._graph_generation is not None
+            and not in_capture
+            and self.core.buffers_generation != self._graph_generation
+        ):
+            raise RuntimeError(
+                "prefixattn: a plan outgrew the buffers reserved for CUDA graphs; "
+                "restart with a larger reservation or with --disable-cuda-graph"
+            )
         self.forward_metadata = ForwardMetadata(plan, plan.num_tokens)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
@@ -240,9 +243,7 @@ class PrefixAttnBackend(AttentionBackend):
         shape = (-1, self.page_size, layer.tp_k_head_num, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
-        self.core.run(
-            q3[:n], k_cache, v_cache, scale=layer.scaling, out=out3[:n], plan=meta.plan
-        )
+        self.core.run(q3[:n], k_cache, v_cache, scale=layer.scaling, out=out3[:n], plan=meta.plan)
         return out
 
     def _check_layer(self, layer: RadixAttention) -> None:

@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("sglang")
 
-import torch  # noqa: E402
-from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.runtime_context import get_parallel
 
-from prefixattn import attention_reference  # noqa: E402
-from prefixattn.adapters.sglang_backend import PrefixAttnBackend  # noqa: E402
+from prefixattn import attention_reference
+from prefixattn.adapters.sglang_backend import PrefixAttnBackend
 
 DTYPE = torch.float32
 MAX_CONTEXT = 384
@@ -151,18 +151,18 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
     if mode == "decode":
         new_lens = [1] * bs
     elif mode == "extend":
-        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 4, 2, 7, 1, 3, 5, 11])]
+        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 4, 2, 7, 1, 3, 5, 11], strict=True)]
     else:
-        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 1, 5, 1, 1, 3, 1, 11])]
+        new_lens = [min(len(r), n) for r, n in zip(rows, [1, 1, 5, 1, 1, 3, 1, 11], strict=True)]
     seq_lens = [len(r) for r in rows]
-    prefix_lens = [s - n for s, n in zip(seq_lens, new_lens)]
+    prefix_lens = [s - n for s, n in zip(seq_lens, new_lens, strict=True)]
     req_pool_indices = torch.arange(1, bs + 1, dtype=torch.int64)
     for i, row in enumerate(rows):
         req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
 
     layers = [_layer(lid, num_heads, num_kv_heads, head_dim) for lid in range(2)]
     # Cached tokens (shared prefixes once, tails per request) go into the pool first.
-    cached = sorted({s for row, p in zip(rows, prefix_lens) for s in row[:p]})
+    cached = sorted({s for row, p in zip(rows, prefix_lens, strict=True) for s in row[:p]})
     if cached:
         loc = torch.tensor(cached, dtype=torch.int64)
         for layer in layers:
@@ -171,11 +171,12 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
             pool.set_kv_buffer(layer, loc, k, v)
 
     out_cache_loc = torch.tensor(
-        [s for row, p in zip(rows, prefix_lens) for s in row[p:]], dtype=torch.int64
+        [s for row, p in zip(rows, prefix_lens, strict=True) for s in row[p:]], dtype=torch.int64
     )
     num_tokens = sum(new_lens)
     positions = torch.tensor(
-        [i for p, s in zip(prefix_lens, seq_lens) for i in range(p, s)], dtype=torch.int64
+        [i for p, s in zip(prefix_lens, seq_lens, strict=True) for i in range(p, s)],
+        dtype=torch.int64,
     )
     forward_mode = {
         "decode": ForwardMode.DECODE,
