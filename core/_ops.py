@@ -1,0 +1,130 @@
+"""The compiled attention ops: loading, fake (meta) registrations and thin checked wrappers.
+
+``cuda_ops_available()`` says whether the CUDA kernels can run here (library built with CUDA and
+a CUDA device present); ``run_plan_cuda`` executes a :class:`~prefixattn.plan.LaunchPlan` with
+them. ``run_plan_cuda`` does no host work proportional to the batch, never synchronises, and
+allocates only when a plan needs more scratch than the :class:`Workspace` holds, so after a
+warm-up call it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .plan import LaunchPlan
+
+__all__ = ["Workspace", "cuda_ops_available", "run_plan_cuda"]
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops, "prefixattn") and hasattr(torch.ops.prefixattn, name)
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> bool:
+    """Load the compiled library once; True when the ``run_plan`` schema is registered."""
+    if not _has_op("run_plan"):
+        from .native_plan import _candidates
+
+        for path in _candidates():
+            try:
+                torch.ops.load_library(str(path))
+            except (OSError, RuntimeError):
+                continue
+            if _has_op("run_plan"):
+                break
+    if not _has_op("run_plan"):
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("prefixattn::run_plan")
+    def _run_plan_fake(*args: object) -> None:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_ops_available() -> bool:
+    """True when the library was built with the CUDA kernels and a CUDA device is present."""
+    if not torch.cuda.is_available() or not _load():
+        return False
+    try:
+        return bool(torch.ops.prefixattn.cuda_kernels_built())
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
+class Workspace:
+    """Scratch owned by a ``PrefixAttention``: the fp32 partial output and log-sum-exp rows.
+
+    Buffers grow (doubling) only when a plan needs more; their addresses are otherwise stable,
+    which keeps captured CUDA graphs valid.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.partial_o = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(0, dtype=torch.float32, device=self.device)
+
+    def reserve(self, num_partials: int, num_qo_heads: int, head_dim: int) -> None:
+        """Make room for ``num_partials`` rows of [num_qo_heads, head_dim]."""
+        rows = max(num_partials, 1) * num_qo_heads
+        if self.partial_lse.numel() < rows:
+            rows = max(rows, 2 * self.partial_lse.numel())
+            self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+            self.partial_o = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
+        elif self.partial_o.numel() < rows * head_dim:
+            self.partial_o = torch.empty(
+                self.partial_lse.numel() * head_dim, dtype=torch.float32, device=self.device
+            )
+
+
+def run_plan_cuda(
+    plan: LaunchPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    workspace: Workspace,
+) -> None:
+    """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
+
+    q, out: [T, Hq, D] float16/bfloat16; k_cache, v_cache: NHD [pages, page_size, Hkv, D] or
+    HND [pages, Hkv, page_size, D] (``plan.kv_layout``), any strides with a contiguous last
+    dim, rows 16-byte aligned. Raises ``RuntimeError`` for combinations without a kernel.
+    """
+    if not _load():
+        raise RuntimeError("prefixattn: the compiled library (_C) is not available")
+    workspace.reserve(plan.num_partials, plan.num_qo_heads, plan.head_dim)
+    torch.ops.prefixattn.run_plan(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        workspace.partial_o,
+        workspace.partial_lse,
+        plan.kv_page_indptr,
+        plan.kv_pages,
+        plan.kv_start,
+        plan.kv_len,
+        plan.q_indptr,
+        plan.q_tokens,
+        plan.q_limit,
+        plan.q_out,
+        plan.merge_tokens,
+        plan.merge_indptr,
+        plan.merge_partials,
+        plan.counts,
+        list(plan.tile_indptr),
+        [m for m, _ in plan.tiles],
+        plan.num_merge_tokens,
+        plan.kv_layout == "HND",
+        float(scale),
+    )

@@ -1,0 +1,211 @@
+"""Attention benchmark: prefixattn's CUDA kernels against the HBM floor (and FlashInfer).
+
+``prefixattn bench [options]`` and ``benchmarks/bench_attention.py`` call :func:`main`.
+
+The floor of one call = (bytes of the distinct KV entries + q and output bytes) / bandwidth of
+a large device-to-device copy measured in the same run (read + written bytes). Every timed
+call is preceded by a write of a buffer larger than L2 (cold L2, as between layers of a
+model); the median over ``--iters`` calls is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+PAT_TREES = (
+    "1,10_4096,416", "1,256_256,32", "1,1024_2048,32", "1,2,64_1024,256,256",
+    "1,4,256_32,256,32", "1,8,512_32,512,256", "1,8,512_32,2048,256", "1,8,512_512,512,256",
+    "1,4,8,256_32,256,256,32", "1,4,16,512_1024,256,128,32",
+    "1,4,16,64,256,1024_256,32,256,64,32,256", "1,16,32,64,128,1024_256,128,64,32,32,32",
+    "1,16,32,64,256,1024_256,128,64,32,32,32", "1,8,16,32,64,128,1024_256,128,64,32,32,32,32",
+    "1,8,16,32,64,256,1024_256,128,64,32,32,32,32", "2,8,16,256_256,256,32,32",
+    "4,16,256,512_512,32,128,32", "8,16,32,256_512,512,256,32", "256_1024", "256_4096",
+)  # fmt: skip
+"""The PAT paper's shared-prefix decode suite (Figure 10), in its B_L notation."""
+
+HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
+PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="prefixattn bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", nargs="*", default=list(PAT_TREES))
+    ap.add_argument("--heads", nargs="*", default=[f"{a},{b}" for a, b in HEADS],
+                    help="num_qo_heads,num_kv_heads pairs")  # fmt: skip
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page1-trees", nargs="*", default=list(PAGE1_TREES),
+                    help="trees also run with page size 1 (heads 32,8)")  # fmt: skip
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--ablations", action="store_true", help="packing naive/per_query, split off")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--out", default="docs/results/bench_attention.json")
+    return ap.parse_args(argv)
+
+
+class _Timer:
+    def __init__(self, torch, iters: int) -> None:
+        self.torch = torch
+        self.iters = iters
+        # Larger than the H200's 60 MB L2: writing it evicts the KV cache between calls.
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def median_us(self, fn: Callable[[], object]) -> float:
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+
+def hbm_bandwidth(torch, timer: _Timer) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = timer.median_us(lambda: dst.copy_(src))
+    return 2 * (1 << 30) / (us * 1e-6)
+
+
+def _flashinfer_decode(torch, fi, table, lens, ps, hq, hkv, d, q, k, v):
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    npages = (lens + ps - 1) // ps
+    indptr = torch.tensor(
+        np.concatenate([[0], np.cumsum(npages)]), dtype=torch.int32, device="cuda"
+    )
+    indices = torch.tensor(np.concatenate([table[i, : npages[i]] for i in range(len(lens))]),
+                           dtype=torch.int32, device="cuda")  # fmt: skip
+    last = torch.tensor(lens - (npages - 1) * ps, dtype=torch.int32, device="cuda")
+    w.plan(indptr, indices, last, hq, hkv, d, ps, data_type=q.dtype, q_data_type=q.dtype)
+    return lambda: w.run(q, (k, v))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+
+    import prefixattn
+    from prefixattn import _ops
+    from prefixattn.workloads import tree_batch
+
+    if not torch.cuda.is_available() or not _ops.cuda_ops_available():
+        print("prefixattn bench: needs a CUDA GPU and the CUDA kernels", file=sys.stderr)
+        return 1
+    fi = None
+    if not args.no_flashinfer:
+        try:
+            import flashinfer as fi
+        except ImportError:
+            print("flashinfer not importable: FlashInfer columns skipped", file=sys.stderr)
+    timer = _Timer(torch, args.iters)
+    bw = hbm_bandwidth(torch, timer)
+    print(f"HBM bandwidth (D2D copy): {bw / 1e9:.0f} GB/s")
+    dtype, d = torch.bfloat16, args.head_dim
+    rows = []
+    configs = [
+        (t, tuple(map(int, h.split(","))), args.page_size) for t in args.trees for h in args.heads
+    ]
+    configs += [(t, (32, 8), 1) for t in args.page1_trees]
+    for spec, (hq, hkv), ps in configs:
+        table, lens = tree_batch(spec, ps, seed=0)
+        num_pages = int(table.max()) + 1
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(num_pages, ps, hkv, d, generator=gen, device="cuda").to(dtype)
+        v = torch.randn(num_pages, ps, hkv, d, generator=gen, device="cuda").to(dtype)
+        q = torch.randn(len(lens), hq, d, generator=gen, device="cuda").to(dtype)
+        out = torch.empty_like(q)
+        scale = 1 / math.sqrt(d)
+        row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
+        variants = [("prefixattn", "memory", True)]
+        if args.ablations:
+            variants += [("naive", "naive", True), ("per_query", "per_query", True),
+                         ("no_split", "memory", False)]  # fmt: skip
+        for name, packing, split in variants:
+            pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
+            plan = pa.plan(table, lens, packing=packing, split_kv=split)
+            ws = _ops.Workspace("cuda")
+            row[f"{name}_us"] = timer.median_us(
+                lambda plan=plan, ws=ws, q=q, k=k, v=v, out=out, scale=scale: _ops.run_plan_cuda(
+                    plan, q, k, v, out, scale, ws
+                )
+            )
+            if name == "prefixattn":
+                floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
+                row["floor_us"] = floor_bytes / bw * 1e6
+                row["items"] = plan.num_work_items
+                row["tiles"] = plan.summary()
+        if fi is not None and ps > 0:
+            try:
+                row["fi_decode_us"] = timer.median_us(
+                    _flashinfer_decode(torch, fi, table, lens, ps, hq, hkv, d, q, k, v)
+                )
+            except Exception as e:
+                row["fi_decode_error"] = str(e)[:200]
+        row["pct_floor"] = 100 * row["floor_us"] / row["prefixattn_us"]
+        rows.append(row)
+        extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))
+        print(f"{spec:48s} {hq},{hkv} p{ps}: {extra} floor%={row['pct_floor']:.0f}", flush=True)
+    geo = math.exp(statistics.fmean(math.log(r["pct_floor"]) for r in rows))
+    print(f"geomean % of floor: {geo:.1f}")
+    result = {"device": torch.cuda.get_device_name(), "hbm_gbps": bw / 1e9,
+              "geomean_pct_floor": geo, "rows": rows}  # fmt: skip
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    _write_table(result, out_path.with_suffix(".md"))
+    _plot(result, out_path.with_suffix(".png"))
+    return 0
+
+
+def _write_table(result: dict, path: Path) -> None:
+    cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "naive_us", "per_query_us",
+                        "no_split_us") if any(c in r for r in result["rows"])]  # fmt: skip
+    lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
+             f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
+             "| tree | heads | page | " + " | ".join(cols) + " | % floor |",
+             "|---|---|---|" + "---|" * len(cols) + "---|"]  # fmt: skip
+    for r in result["rows"]:
+        vals = " | ".join(f"{r[c]:.1f}" if c in r else "-" for c in cols)
+        lines.append(f"| {r['tree']} | {r['heads'][0]},{r['heads'][1]} | {r['page_size']} | "
+                     f"{vals} | {r['pct_floor']:.0f} |")  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.25), 4))
+    x = np.arange(len(rows))
+    ax.bar(x, [r["pct_floor"] for r in rows], label="prefixattn")
+    if any("fi_decode_us" in r for r in rows):
+        ax.plot(x, [100 * r["floor_us"] / r["fi_decode_us"] if "fi_decode_us" in r else np.nan
+                    for r in rows], "r.", label="FlashInfer batch decode")  # fmt: skip
+    ax.axhline(80, color="k", lw=0.5)
+    ax.set_ylabel("% of HBM floor")
+    ax.set_xticks(x, [f"{r['tree']} {r['heads'][0]}/{r['heads'][1]} p{r['page_size']}"
+                      for r in rows], rotation=90, fontsize=5)  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)

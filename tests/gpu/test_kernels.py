@@ -1,0 +1,178 @@
+"""The CUDA kernels against fp32 plain attention: PAT trees, random forests, odd sizes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import prefixattn  # noqa: E402
+from prefixattn import _ops  # noqa: E402
+from prefixattn.bench import PAT_TREES  # noqa: E402
+from prefixattn.workloads import tree_batch  # noqa: E402
+
+from .attention_ref import gathered_attention  # noqa: E402
+
+if not _ops.cuda_ops_available():
+    pytest.skip("prefixattn was built without CUDA kernels", allow_module_level=True)
+
+DEV = torch.device("cuda")
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def make_cache(num_pages, page_size, hkv, d, dtype, layout, interleaved, gen):
+    """K and V views; interleaved = one [pages, ps, Hkv, 2, D] tensor (vLLM) or HND views of
+    an NHD tensor (non-contiguous token and head strides)."""
+    if layout == "NHD" and interleaved:
+        kv = torch.randn(num_pages, page_size, hkv, 2, d, generator=gen, device=DEV).to(dtype)
+        return kv[:, :, :, 0], kv[:, :, :, 1]
+    if layout == "NHD":
+        k = torch.randn(num_pages, page_size, hkv, d, generator=gen, device=DEV).to(dtype)
+        v = torch.randn(num_pages, page_size, hkv, d, generator=gen, device=DEV).to(dtype)
+        return k, v
+    if interleaved:
+        kv = torch.randn(num_pages, page_size, hkv, 2, d, generator=gen, device=DEV).to(dtype)
+        return kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)
+    k = torch.randn(num_pages, hkv, page_size, d, generator=gen, device=DEV).to(dtype)
+    v = torch.randn(num_pages, hkv, page_size, d, generator=gen, device=DEV).to(dtype)
+    return k, v
+
+
+def random_forest(rng, page_size, batch, max_shared_pages, max_private):
+    """Requests grouped under a few random prefixes of whole pages, plus odd private tails."""
+    num_prefixes = int(rng.integers(1, 4))
+    prefix_pages = [int(rng.integers(0, max_shared_pages + 1)) for _ in range(num_prefixes)]
+    next_page = sum(prefix_pages)
+    starts = np.cumsum([0, *prefix_pages])
+    rows, lens = [], []
+    for _ in range(batch):
+        p = int(rng.integers(num_prefixes))
+        # Requests may use only part of their prefix, so forests have several depths.
+        shared = int(rng.integers(0, prefix_pages[p] + 1))
+        tail = int(rng.integers(1, max_private + 1))
+        length = shared * page_size + tail
+        npriv = -(-tail // page_size)
+        row = list(range(starts[p], starts[p] + shared)) + list(range(next_page, next_page + npriv))
+        next_page += npriv
+        rows.append(row)
+        lens.append(length)
+    width = max(len(r) for r in rows) + 2
+    table = np.full((batch, width), next_page - 1, dtype=np.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return table, np.asarray(lens, dtype=np.int32), next_page
+
+
+def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
+          packing="memory", split_kv=True, seed=0):  # fmt: skip
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    t = int(qo_indptr[-1])
+    k, v = make_cache(num_pages, page_size, hkv, d, dtype, layout, interleaved, gen)
+    q = torch.randn(t, hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, page_size, kv_layout=layout, device=DEV,
+                                    dtype=dtype)  # fmt: skip
+    plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
+    out = torch.full_like(q, float("nan"))
+    ws = _ops.Workspace(DEV)
+    scale = 1.0 / math.sqrt(d)
+    _ops.run_plan_cuda(plan, q, k, v, out, scale, ws)
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    assert not torch.isnan(out).any(), "unwritten output elements"
+    err = (out.float() - ref).abs().max().item()
+    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
+    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+    return plan
+
+
+@pytest.mark.parametrize("spec", PAT_TREES)
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32)])
+def test_pat_tree(spec, heads):
+    table, lens = tree_batch(spec, 16, seed=1)
+    num_pages = int(table.max()) + 1
+    check(*heads, 128, 16, torch.bfloat16, "NHD", False, table, lens, num_pages,
+          np.ones(len(lens), dtype=np.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024"])
+def test_pat_tree_page1(spec):
+    table, lens = tree_batch(spec, 1, seed=2)
+    check(64, 8, 128, 1, torch.bfloat16, "NHD", True, table, lens, int(table.max()) + 1,
+          np.ones(len(lens), dtype=np.int32))  # fmt: skip
+
+
+# Odd sizes on purpose: group sizes 1, 3, 4, 7, 16; page sizes 1, 16, 32, 64; tails that end
+# mid-page; query lengths 1..5 (causal); head_dim 64, 128, 256.
+CASES = [
+    # hq, hkv, d, page, dtype, layout, interleaved
+    (4, 4, 128, 16, torch.bfloat16, "NHD", False),
+    (8, 1, 128, 1, torch.float16, "NHD", True),
+    (21, 3, 64, 32, torch.bfloat16, "HND", False),
+    (32, 8, 128, 64, torch.float16, "HND", True),
+    (16, 1, 64, 16, torch.float16, "NHD", False),
+    (12, 4, 256, 16, torch.bfloat16, "NHD", True),
+    (14, 2, 256, 1, torch.float16, "HND", False),
+    (32, 2, 128, 16, torch.bfloat16, "NHD", False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}")
+@pytest.mark.parametrize("packing", ["memory", "naive", "per_query"])
+@pytest.mark.parametrize("qlen", [1, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_forest(case, packing, qlen, seed):
+    hq, hkv, d, ps, dtype, layout, inter = case
+    rng = np.random.default_rng(seed * 100 + hq + d)
+    table, lens, num_pages = random_forest(rng, ps, int(rng.integers(1, 40)),
+                                           max(1, 700 // ps), 339)  # fmt: skip
+    qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
+    check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
+          seed=seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_long_kv(split_kv):
+    # One 4097-token request next to short ones: the split path and many KV tiles.
+    table = np.arange(3 * 257, dtype=np.int32).reshape(3, 257)
+    lens = np.array([4097, 17, 1], dtype=np.int32)
+    check(32, 8, 128, 16, torch.bfloat16, "NHD", False, table, lens, 3 * 257,
+          np.ones(3, dtype=np.int32), split_kv=split_kv)  # fmt: skip
+
+
+def test_cuda_graph_replay():
+    table, lens = tree_batch("1,4,64_1024,256,128", 16, seed=3)
+    num_pages = int(table.max()) + 1
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    k, v = make_cache(num_pages, 16, hkv, d, torch.bfloat16, "NHD", False, gen)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, 16, device=DEV, dtype=torch.bfloat16)
+    plan = pa.plan(table, lens)
+    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    ws = _ops.Workspace(DEV)
+    _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws)  # warm-up: sizes the workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws)
+    q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    qo = np.arange(len(lens) + 1, dtype=np.int32)
+    ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 0.1)
+    assert (out.float() - ref).abs().max().item() < 4 * EPS[torch.bfloat16] * 4
+
+
+def test_unsupported_dtype_raises():
+    pa = prefixattn.PrefixAttention(4, 4, 128, 16, device=DEV, dtype=torch.bfloat16)
+    plan = pa.plan(np.zeros((1, 1), dtype=np.int32), np.array([5], dtype=np.int32))
+    q = torch.zeros(1, 4, 128, device=DEV, dtype=torch.float32)
+    k = torch.zeros(1, 16, 4, 128, device=DEV, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="float16 and bfloat16"):
+        _ops.run_plan_cuda(plan, q, k, k, q.clone(), 0.1, _ops.Workspace(DEV))
