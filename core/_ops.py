@@ -54,10 +54,7 @@ def cuda_ops_available() -> bool:
     """True when the library was built with the CUDA kernels and a CUDA device is present."""
     if not torch.cuda.is_available() or not _load():
         return False
-    try:
-        return bool(torch.ops.prefixattn.cuda_kernels_built())
-    except (NotImplementedError, RuntimeError):
-        return False
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("prefixattn::run_plan", "CUDA"))
 
 
 class Workspace:

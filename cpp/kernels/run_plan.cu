@@ -1,6 +1,8 @@
 // CUDA implementation of prefixattn::run_plan: one forward launch per tile group on the current
 // stream, then one merge launch.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -102,7 +104,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "prefixattn: q and caches need 16-byte aligned rows (strides multiple of 8 elements)");
 
   const c10::cuda::CUDAGuard guard(q.device());
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   ForwardParams p{};
   p.q = q.data_ptr();
@@ -164,12 +166,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-bool cuda_kernels_built() { return true; }
-
 }  // namespace
 }  // namespace prefixattn
 
 TORCH_LIBRARY_IMPL(prefixattn, CUDA, m) { m.impl("run_plan", &prefixattn::run_plan_cuda); }
-TORCH_LIBRARY_IMPL(prefixattn, CompositeExplicitAutograd, m) {
-  m.impl("cuda_kernels_built", &prefixattn::cuda_kernels_built);
-}

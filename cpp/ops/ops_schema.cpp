@@ -13,5 +13,4 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "Tensor kv_len, Tensor q_indptr, Tensor q_tokens, Tensor q_limit, Tensor q_out, "
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale) -> ()");
-  m.def("cuda_kernels_built() -> bool");
 }
