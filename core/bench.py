@@ -11,12 +11,15 @@ model); the median over ``--iters`` calls is reported.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -107,10 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available() or not _ops.cuda_ops_available():
         print("prefixattn bench: needs a CUDA GPU and the CUDA kernels", file=sys.stderr)
         return 1
-    fi = None
+    fi: Any = None
     if not args.no_flashinfer:
         try:
-            import flashinfer as fi
+            fi = importlib.import_module("flashinfer")
         except ImportError:
             print("flashinfer not importable: FlashInfer columns skipped", file=sys.stderr)
     timer = _Timer(torch, args.iters)
@@ -141,9 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             row[f"{name}_us"] = timer.median_us(
-                lambda plan=plan, ws=ws, q=q, k=k, v=v, out=out, scale=scale: _ops.run_plan_cuda(
-                    plan, q, k, v, out, scale, ws
-                )
+                functools.partial(_ops.run_plan_cuda, plan, q, k, v, out, scale, ws)
             )
             if name == "prefixattn":
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
