@@ -22,7 +22,6 @@ device-to-host copy of the batch's rows) and every layer's ``forward_*`` reuses 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +40,20 @@ if TYPE_CHECKING:
     from prefixattn.plan import LaunchPlan
 
 
-def core_runs_cuda_kernels() -> bool:
-    """Whether the installed core executes plans with compiled CUDA kernels.
+def core_supports_cuda_graphs() -> bool:
+    """Whether the installed core's ``run`` may be captured in a CUDA graph and replayed with
+    later plans.
 
-    Without them, CUDA tensors run the PyTorch reference, which reads the plan on the host
-    and therefore cannot be captured in a CUDA graph.
+    That needs the compiled CUDA kernels and launches whose shape does not depend on the plan
+    (the core says so with ``PrefixAttention.cuda_graph_safe``). Without them, ``run`` either
+    executes the PyTorch reference, which reads the plan on the host, or launches grids sized
+    by the capture-time plan, which a replay would reuse for a different batch.
     """
-    return importlib.util.find_spec("prefixattn._ops") is not None
+    if not getattr(PrefixAttention, "cuda_graph_safe", False):
+        return False
+    from prefixattn._ops import cuda_ops_available
+
+    return cuda_ops_available()
 
 
 @dataclass
@@ -167,11 +173,11 @@ class PrefixAttnBackend(AttentionBackend):
         """
         if self.device.type != "cuda":
             return
-        if not core_runs_cuda_kernels():
+        if not core_supports_cuda_graphs():
             raise RuntimeError(
-                "prefixattn: CUDA graphs need the compiled CUDA kernels of prefixattn, which "
-                "this installation lacks (CUDA tensors run the PyTorch reference, which plans "
-                "on the host and cannot be captured); start SGLang with --disable-cuda-graph"
+                "prefixattn: this installation's attention cannot be replayed from a CUDA graph "
+                "across steps (it needs the compiled CUDA kernels with plan-independent "
+                "launches); start SGLang with --disable-cuda-graph"
             )
         max_pages = self.req_to_token_pool.req_to_token.shape[1] // self.page_size + 1
         # Decode: one query per request; a request yields at most one leaf item and its
