@@ -28,9 +28,27 @@ void launch_forward(const ForwardParams& p, int num_items, int num_kv_heads, cud
   kernel<<<dim3(num_items, num_kv_heads), detail::kThreads, smem, stream>>>(p);
 }
 
+template <typename T, int D, int WARPS>
+void launch_forward_mma(const ForwardParams& p, int num_items, int num_kv_heads,
+                        cudaStream_t stream) {
+  constexpr int smem = forward_mma_smem_bytes<D, WARPS>();
+  auto kernel = forward_mma_kernel<T, D, WARPS>;
+  static bool configured = [&] {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    return true;
+  }();
+  (void)configured;
+  kernel<<<dim3(num_items, num_kv_heads), WARPS * 32, smem, stream>>>(p);
+}
+
 template <typename T, int D>
 void dispatch_forward(const ForwardParams& p, int m, int num_items, int num_kv_heads,
                       cudaStream_t stream) {
+  // Tensor cores for head_dim <= 128 (16 rows per warp); CUDA cores for head_dim 256.
+  if constexpr (D <= 128) {
+    if (m <= 64) return launch_forward_mma<T, D, 4>(p, num_items, num_kv_heads, stream);
+    if (m <= 128) return launch_forward_mma<T, D, 8>(p, num_items, num_kv_heads, stream);
+  }
   const int rpw = (m + detail::kWarps - 1) / detail::kWarps;
   if (rpw <= 2) return launch_forward<T, D, 2>(p, num_items, num_kv_heads, stream);
   if (rpw <= 4) return launch_forward<T, D, 4>(p, num_items, num_kv_heads, stream);

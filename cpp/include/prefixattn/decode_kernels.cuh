@@ -320,4 +320,243 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core forward (mma.sync m16n8k16, fp32 accumulate), head_dim <= 128. Same contract as
+// forward_kernel. WARPS warps (4 or 8); warp w computes query rows 16w .. 16w+15 against the
+// whole 64-token tile; all warps share the cp.async KV loads. Fragment layouts (PTX ISA,
+// m16n8k16): A a0 = (row l/4, cols 2(l%4)+{0,1}), a1 = row+8, a2 = cols+8, a3 = both;
+// B b0 = (k 2(l%4)+{0,1}, n l/4), b1 = k+8; C c0,c1 = (row l/4, cols 2(l%4)+{0,1}), c2,c3 = row+8.
+namespace detail {
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<half>(float* c, const uint32_t* a, uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float x, float y);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<half>(float x, float y) {
+  __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack_halves(T lo, T hi) {
+  uint16_t a = *reinterpret_cast<uint16_t*>(&lo), b = *reinterpret_cast<uint16_t*>(&hi);
+  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+}
+}  // namespace detail
+
+template <int D, int WARPS>
+constexpr int forward_mma_smem_bytes() {
+  return 2 * 2 * detail::kTileN * (D + detail::kPad) * 2 + WARPS * 16 * (D + detail::kPad) * 2;
+}
+
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
+  using namespace detail;
+  constexpr int kRow = D + kPad;
+  constexpr int kChunks = D / 8;
+  constexpr int kThreadsM = WARPS * 32;
+  constexpr int kNB = kTileN / 8;  // key blocks of 8
+  constexpr int kDB = D / 8;       // output dim blocks of 8
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* k_s = reinterpret_cast<T*>(smem_raw);
+  T* v_s = k_s + 2 * kTileN * kRow;
+  T* q_s = v_s + 2 * kTileN * kRow;  // [WARPS*16][kRow]
+
+  const int item = p.item_offset + blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = p.group_size;
+  const int slot0 = p.q_indptr[item];
+  const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
+  const int kv_len = p.kv_len[item];
+  const int kv_start = p.kv_start[item];
+  const int32_t* pages = p.kv_pages + p.kv_page_indptr[item];
+  const T* k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
+  const T* v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
+
+  auto load_tile = [&](int tile, int stage) {
+    for (int c = tid; c < kTileN * kChunks; c += kThreadsM) {
+      int t = c / kChunks, ch = c % kChunks;
+      int pos = tile * kTileN + t;
+      bool valid = pos < kv_len;
+      int page = valid ? pages[pos / p.page_size] : 0;
+      int slot = valid ? pos % p.page_size : 0;
+      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8,
+                  k_base + page * p.k_stride_page + slot * p.k_stride_tok + ch * 8, valid);
+      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8,
+                  v_base + page * p.v_stride_page + slot * p.v_stride_tok + ch * 8, valid);
+    }
+    cp_async_commit();
+  };
+  const int num_tiles = (kv_len + kTileN - 1) / kTileN;
+  if (num_tiles > 0) load_tile(0, 0);
+  for (int c = tid; c < WARPS * 16 * kChunks; c += kThreadsM) {
+    int r = c / kChunks, ch = c % kChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < num_rows) {
+      int token = p.q_tokens[slot0 + r / g];
+      int head = kv_head * g + r % g;
+      val = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + token * p.q_stride_t +
+                                            head * p.q_stride_h + ch * 8);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kRow + ch * 8) = val;
+  }
+
+  const bool active = warp * 16 < num_rows;  // warp-uniform
+  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+  const int lim0 = r0 < num_rows ? p.q_limit[slot0 + r0 / g] - kv_start : 0;
+  const int lim1 = r1 < num_rows ? p.q_limit[slot0 + r1 / g] - kv_start : 0;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float o[kDB][4];
+#pragma unroll
+  for (int i = 0; i < kDB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  const int qc = 2 * (lane % 4);
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < num_tiles) {
+      load_tile(tile + 1, stage ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (active) {
+      const T* kt = k_s + stage * kTileN * kRow;
+      const T* vt = v_s + stage * kTileN * kRow;
+      float s[kNB][4];
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t a[4];
+        const T* qa = q_s + r0 * kRow + kc * 16 + qc;
+        a[0] = *reinterpret_cast<const uint32_t*>(qa);
+        a[1] = *reinterpret_cast<const uint32_t*>(qa + 8 * kRow);
+        a[2] = *reinterpret_cast<const uint32_t*>(qa + 8);
+        a[3] = *reinterpret_cast<const uint32_t*>(qa + 8 * kRow + 8);
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+          const T* kb = kt + (nb * 8 + lane / 4) * kRow + kc * 16 + qc;
+          mma16816<T>(s[nb], a, *reinterpret_cast<const uint32_t*>(kb),
+                      *reinterpret_cast<const uint32_t*>(kb + 8));
+        }
+      }
+      const int base = tile * kTileN;
+      const int b0 = min(lim0, kv_len) - base, b1 = min(lim1, kv_len) - base;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          int key = nb * 8 + qc + e;
+          s[nb][e] = key < b0 ? s[nb][e] * p.scale_log2 : -INFINITY;
+          s[nb][2 + e] = key < b1 ? s[nb][2 + e] * p.scale_log2 : -INFINITY;
+          mx0 = fmaxf(mx0, s[nb][e]);
+          mx1 = fmaxf(mx1, s[nb][2 + e]);
+        }
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0);
+      const float al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+      m0 = n0;
+      m1 = n1;
+      l0 *= al0;
+      l1 *= al1;
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[nb][e] = n0 == -INFINITY ? 0.f : exp2f(s[nb][e] - n0);
+          s[nb][2 + e] = n1 == -INFINITY ? 0.f : exp2f(s[nb][2 + e] - n1);
+          l0 += s[nb][e];
+          l1 += s[nb][2 + e];
+        }
+      }
+#pragma unroll
+      for (int db = 0; db < kDB; ++db) {
+        o[db][0] *= al0;
+        o[db][1] *= al0;
+        o[db][2] *= al1;
+        o[db][3] *= al1;
+      }
+#pragma unroll
+      for (int kc = 0; kc < kTileN / 16; ++kc) {
+        uint32_t a[4];
+        a[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);
+        a[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);
+        a[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        a[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        const T* vk = vt + (kc * 16 + qc) * kRow + lane / 4;
+#pragma unroll
+        for (int db = 0; db < kDB; ++db) {
+          const T* vb = vk + db * 8;
+          mma16816<T>(o[db], a, pack_halves<T>(vb[0], vb[kRow]),
+                      pack_halves<T>(vb[8 * kRow], vb[9 * kRow]));
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = h ? r1 : r0;
+    if (r >= num_rows) continue;
+    const float l = h ? l1 : l0, m = h ? m1 : m0;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int slot = slot0 + r / g;
+    const int head = kv_head * g + r % g;
+    const int dst = p.q_out[slot];
+    if (dst < 0) {
+      T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
+#pragma unroll
+      for (int db = 0; db < kDB; ++db)
+        *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
+            pack2<T>(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
+    } else {
+      float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
+#pragma unroll
+      for (int db = 0; db < kDB; ++db)
+        *reinterpret_cast<float2*>(out + db * 8 + qc) =
+            make_float2(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
+      if (lane % 4 == 0)
+        p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+}
+
 }  // namespace prefixattn
