@@ -514,12 +514,19 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         a[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);
         a[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
         a[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-        const T* vk = vt + (kc * 16 + qc) * kRow + lane / 4;
+        // ldmatrix.x4.trans: lane l addresses row l % 8 of 8x8 matrix l / 8 = (keys
+        // +8 * (i & 1), dims +8 * (i >> 1)); the results are b0, b1 of two dim blocks.
+        const T* vrow = vt + (kc * 16 + (lane & 8) + (lane & 7)) * kRow + ((lane >> 4) << 3);
 #pragma unroll
-        for (int db = 0; db < kDB; ++db) {
-          const T* vb = vk + db * 8;
-          mma16816<T>(o[db], a, pack_halves<T>(vb[0], vb[kRow]),
-                      pack_halves<T>(vb[8 * kRow], vb[9 * kRow]));
+        for (int db = 0; db < kDB; db += 2) {
+          uint32_t b[4];
+          uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(vrow + db * 8));
+          asm volatile(
+              "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+              : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+              : "r"(addr));
+          mma16816<T>(o[db], a, b[0], b[1]);
+          mma16816<T>(o[db + 1], a, b[2], b[3]);
         }
       }
     }
