@@ -100,6 +100,9 @@ class PrefixAttention:
         )
         self._plan: LaunchPlan | None = None
         self._buffers: PlanBuffers | None = None
+        self._workspace: Any = None
+        self.use_kernels = True
+        """Run plans on the CUDA kernels when they are built (CUDA fp16/bf16 tensors)."""
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
@@ -273,9 +276,10 @@ class PrefixAttention:
         plan:
             The plan to run (default: the last one :meth:`plan` built).
 
-        Returns ``out`` (or a new tensor). The plan is executed by the PyTorch reference
-        (``prefixattn.reference.run_plan_reference``) on any device; the CUDA kernels that
-        will execute it on GPUs are not part of this release.
+        Returns ``out`` (or a new tensor). On CUDA float16/bfloat16 tensors, with a library
+        built with the CUDA kernels, the plan runs on the kernels (no host sync; it is not yet
+        safe to capture in a CUDA graph: launch sizes come from the host plan); otherwise the
+        PyTorch reference executes it (``prefixattn.reference.run_plan_reference``).
         """
         plan = plan if plan is not None else self._plan
         if plan is None:
@@ -284,6 +288,14 @@ class PrefixAttention:
         if out is None:
             out = torch.empty_like(q)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        if self.use_kernels and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            from . import _ops  # loads the compiled library on first use
+
+            if _ops.cuda_ops_available():
+                if self._workspace is None:
+                    self._workspace = _ops.Workspace(q.device)
+                _ops.run_plan_cuda(plan, q, k_cache, v_cache, out, scale, self._workspace)
+                return out
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
 
     def _check_run_inputs(

@@ -1,4 +1,4 @@
-"""``prefixattn`` command line: ``demo`` and ``plan-bench``."""
+"""``prefixattn`` command line: ``demo``, ``plan-bench`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -96,6 +96,11 @@ def demo(argv: list[str] | None = None) -> int:
     q = torch.randn((plan.num_tokens, hq, args.head_dim), generator=gen).to(device, dtype)
     out = pa.run(q, k_cache, v_cache)
     engine = "PyTorch reference"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        from . import _ops
+
+        if _ops.cuda_ops_available():
+            engine = "CUDA kernels"
     bt = torch.from_numpy(block_table).to(device)
     sl = torch.from_numpy(seq_lens).to(device)
     ref = attention_reference(q, k_cache, v_cache, bt, sl)
@@ -155,23 +160,30 @@ def plan_bench(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo, "plan-bench": plan_bench}
+    commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
     if argv and argv[0] in ("-h", "--help"):
         print(
             "usage: prefixattn {demo,plan-bench} [options]\n"
             "  demo        plan and run a shared-prefix batch (default when no command)\n"
-            "  plan-bench  time plan construction on the host"
+            "  plan-bench  time plan construction on the host\n"
+            "  bench       CUDA kernel benchmark against the HBM floor (GPU)"
         )
         return 0
     if not argv or argv[0].startswith("-"):
         return demo(argv)
     if argv[0] not in commands:
         print(
-            f"prefixattn: unknown command {argv[0]!r}; try demo or plan-bench",
+            f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
             file=sys.stderr,
         )
         return 2
     return commands[argv[0]](argv[1:])
+
+
+def _bench(argv: list[str]) -> int:
+    from . import bench
+
+    return int(bench.main(argv) or 0)
 
 
 if __name__ == "__main__":
