@@ -1,0 +1,277 @@
+"""The real vLLM 0.26 metadata -> the backend's builder -> impl.forward, on CPU tensors.
+
+Every batch is checked against plain causal attention (the core's ``attention_reference``) on
+the same paged cache. Batches are random forests of shared prefixes (prefix caching gives
+requests with a common prefix identical leading block ids) mixing decodes (1 query token),
+speculative verification (2-5 tokens) and prefill/extend chunks (longer, up to a whole prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from prefixattn import attention_reference  # noqa: E402
+from prefixattn.adapters.vllm_backend import (  # noqa: E402
+    PrefixAttentionBackend,
+    PrefixAttentionImpl,
+    PrefixAttentionMetadataBuilder,
+)
+
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
+    """A real VllmConfig for a small Llama described by a local config.json (no weights)."""
+    model = tmp_path_factory.mktemp("llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": NUM_QO_HEADS * HEAD_DIM,
+        "intermediate_size": 1024,
+        "num_attention_heads": NUM_QO_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    model_config = ModelConfig(model=str(model), dtype="float32", skip_tokenizer_init=True)
+    # With no GPU vLLM's platform is "unspecified"; naming the device explicitly is enough here
+    # (the builder reads only the model's head counts).
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+
+
+class Batch:
+    """A random step: shared-prefix block tables, lengths and the vLLM metadata for them."""
+
+    def __init__(self, rng: torch.Generator, block_size: int, num_reqs: int, mixed: bool) -> None:
+        self.block_size = block_size
+        num_blocks = 1 + 200  # block 0 is vLLM's null block; never referenced by a real row
+        free = iter(torch.randperm(num_blocks - 1, generator=rng).add(1).tolist())
+
+        def rand(lo: int, hi: int) -> int:
+            return int(torch.randint(lo, hi + 1, (1,), generator=rng))
+
+        # Two-level forest: a few roots, each with a few children; each request picks a node
+        # and appends private blocks.
+        roots = [[next(free) for _ in range(rand(1, 4))] for _ in range(rand(1, 3))]
+        nodes = [r for r in roots] + [
+            r + [next(free) for _ in range(rand(1, 3))] for r in roots for _ in range(rand(0, 2))
+        ]
+        nodes.append([])  # requests that share nothing
+        rows, seq_lens, q_lens = [], [], []
+        for _ in range(num_reqs):
+            prefix = nodes[rand(0, len(nodes) - 1)]
+            tail = rand(1, 2 * block_size + 3)  # private tokens incl. a partial last block
+            seq_len = len(prefix) * block_size + tail
+            row = prefix + [next(free) for _ in range(math.ceil(tail / block_size))]
+            if not mixed:
+                q_len = 1
+            else:
+                # decode; speculative verification; prefill/extend chunk. New tokens go to the
+                # request's own blocks only (cached prefix blocks are full and never rewritten);
+                # with no shared prefix a chunk may be the whole prompt.
+                kind = rand(0, 2)
+                q_len = (1, rand(1, min(5, tail)), rand(1, tail))[kind]
+            rows.append(row)
+            seq_lens.append(seq_len)
+            q_lens.append(q_len)
+        width = max(len(r) for r in rows) + 2  # vLLM's table is wider than needed; pad with 0
+        self.block_table = torch.zeros(num_reqs, width, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            self.block_table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        self.qo_indptr = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        self.qo_indptr[1:] = torch.cumsum(q_lens_t, 0)
+        self.num_blocks = num_blocks
+        n = int(self.qo_indptr[-1])
+        slots = []
+        for i in range(num_reqs):
+            for pos in range(seq_lens[i] - q_lens[i], seq_lens[i]):
+                slots.append(rows[i][pos // block_size] * block_size + pos % block_size)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        self.num_tokens = n
+
+    def metadata(self, pad: int = 0) -> CommonAttentionMetadata:
+        q_lens = self.qo_indptr[1:] - self.qo_indptr[:-1]
+        slot_mapping = torch.cat([self.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)])
+        return CommonAttentionMetadata(
+            query_start_loc=self.qo_indptr.clone(),
+            query_start_loc_cpu=self.qo_indptr.clone(),
+            seq_lens=self.seq_lens.clone(),
+            num_reqs=self.seq_lens.shape[0],
+            num_actual_tokens=self.num_tokens + pad,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            block_table_tensor=self.block_table.clone(),
+            slot_mapping=slot_mapping,
+            causal=True,
+        )
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._k_scale = torch.tensor(1.0)
+        self._v_scale = torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "num_reqs", "mixed", "pad"),
+    [
+        (16, 9, False, 0),  # vLLM's default block size, decode only
+        (16, 13, True, 0),  # mixed decode / spec verification / prefill chunks
+        (16, 7, True, 5),  # padded token count (num_actual_tokens > real tokens)
+        (1, 6, True, 0),  # one token per block: every shared token is its own block
+        (32, 11, True, 0),
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_builder_and_forward_match_plain_attention(
+    vllm_config: VllmConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    num_reqs: int,
+    mixed: bool,
+    pad: int,
+    seed: int,
+) -> None:
+    rng = torch.Generator().manual_seed(seed * 1000 + block_size * 10 + num_reqs)
+    batch = Batch(rng, block_size, num_reqs, mixed)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=dtype
+    )
+    builder = PrefixAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=batch.metadata(pad))
+
+    shape = PrefixAttentionBackend.get_kv_cache_shape(
+        batch.num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM
+    )
+    order = PrefixAttentionBackend.get_kv_cache_stride_order()
+    # Allocate in memory order and permute back to the logical shape, as vLLM does.
+    physical = torch.randn([shape[i] for i in order], generator=rng).to(dtype)
+    kv_cache = physical.permute(*[order.index(i) for i in range(4)])
+    assert tuple(kv_cache.shape) == shape
+
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    impl = PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, scale, NUM_KV_HEADS)
+    t = batch.num_tokens + pad
+    query = torch.randn(t, NUM_QO_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    key = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    value = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    layer = _Layer()
+    impl.do_kv_cache_update(layer, key, value, kv_cache, batch.metadata(pad).slot_mapping)
+
+    # The new tokens' K/V are where slot_mapping says.
+    k_nhd = kv_cache.transpose(1, 2)[..., :HEAD_DIM]
+    v_nhd = kv_cache.transpose(1, 2)[..., HEAD_DIM:]
+    s = batch.slot_mapping
+    torch.testing.assert_close(k_nhd[s // block_size, s % block_size], key[: batch.num_tokens])
+    torch.testing.assert_close(v_nhd[s // block_size, s % block_size], value[: batch.num_tokens])
+
+    output = torch.full((t, NUM_QO_HEADS, HEAD_DIM), 7.0, dtype=dtype)
+    impl.forward(layer, query, key, value, kv_cache, metadata, output)
+
+    n = batch.num_tokens
+    ref64 = attention_reference(
+        query[:n].double(), k_nhd.double(), v_nhd.double(), batch.block_table,
+        batch.seq_lens, batch.qo_indptr, scale=scale,
+    )  # fmt: skip
+    # Bound: a small multiple of the error plain attention itself makes in this dtype.
+    ref_low = attention_reference(
+        query[:n], k_nhd, v_nhd, batch.block_table, batch.seq_lens, batch.qo_indptr,
+        scale=scale, compute_dtype=torch.float32,
+    ).to(dtype)  # fmt: skip
+    base_err = (ref_low.double() - ref64).abs().max().item()
+    err = (output[:n].double() - ref64).abs().max().item()
+    eps = torch.finfo(dtype).eps
+    assert err <= 4 * base_err + 4 * eps, (err, base_err)
+    # Padding rows are left alone.
+    assert torch.all(output[n:] == 7.0)
+
+
+def test_profiling_run_without_metadata(vllm_config: VllmConfig) -> None:
+    impl = PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, 0.125, NUM_KV_HEADS)
+    q = torch.randn(4, NUM_QO_HEADS, HEAD_DIM)
+    out = torch.full_like(q, 3.0)
+    kv = torch.zeros(PrefixAttentionBackend.get_kv_cache_shape(2, 16, NUM_KV_HEADS, HEAD_DIM))
+    assert impl.forward(_Layer(), q, q, q, kv, None, out) is out
+    assert torch.all(out == 0)
+
+
+def test_one_plan_per_step_shared_by_layers(vllm_config: VllmConfig) -> None:
+    rng = torch.Generator().manual_seed(5)
+    batch = Batch(rng, 16, 8, True)
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    builder = PrefixAttentionMetadataBuilder(
+        spec, ["layer.0", "layer.1"], vllm_config, torch.device("cpu")
+    )
+    metadata = builder.build(0, batch.metadata())
+    assert metadata.plan is builder.attention.last_plan
+    assert metadata.num_tokens == batch.num_tokens
+
+
+CAP = DeviceCapability(9, 0)
+
+
+def _reasons(**overrides: object) -> list[str]:
+    args: dict[str, object] = dict(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=CAP,
+        attn_type=AttentionType.DECODER,
+    )  # fmt: skip
+    args.update(overrides)
+    return PrefixAttentionBackend.validate_configuration(**args)  # type: ignore[arg-type]
+
+
+def test_validate_configuration_accepts_supported() -> None:
+    for head_size in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16):
+            for block_size in (1, 16, 32, 64, 128):
+                assert _reasons(head_size=head_size, dtype=dtype, block_size=block_size) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"head_size": 80}, "head_size not supported"),
+        ({"dtype": torch.float32}, "dtype not supported"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype not supported"),
+        ({"block_size": 256}, "block_size not supported"),
+        ({"use_mla": True}, "MLA not supported"),
+        ({"has_sink": True}, "attention sinks not supported"),
+        ({"has_sliding_window": True}, "sliding window not supported"),
+        ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
+        ({"use_non_causal": True}, "non-causal attention not supported"),
+    ],
+)
+def test_validate_configuration_reports_unsupported(overrides: dict, reason: str) -> None:
+    reasons = _reasons(**overrides)
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_impl_refuses_unsupported_features() -> None:
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        PrefixAttentionImpl(8, 128, 0.1, 2, sliding_window=128)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        PrefixAttentionImpl(8, 128, 0.1, 2, alibi_slopes=[0.1] * 8)
