@@ -15,14 +15,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
-from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+import torch
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from prefixattn import attention_reference  # noqa: E402
-from prefixattn.adapters.vllm_backend import (  # noqa: E402
+from prefixattn import attention_reference
+from prefixattn.adapters.vllm_backend import (
     PrefixAttentionBackend,
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,

@@ -33,9 +33,7 @@ assert cls.get_name() == "CUSTOM"
 assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
 print("ok", cls.__module__, cls.__qualname__)
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok prefixattn.adapters.vllm_backend PrefixAttentionBackend" in done.stdout
 
