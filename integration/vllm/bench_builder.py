@@ -59,7 +59,7 @@ def batch_tables(kind: str, batch: int, prefix: int, tail: int, block: int) -> t
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def main() -> None:  # noqa: C901
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prefix", type=int, default=2048)

@@ -62,9 +62,7 @@ def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> list
         model=model, skip_tokenizer_init=True, attention_backend=backend, enforce_eager=eager,
         gpu_memory_utilization=0.5, max_model_len=4096, seed=0,
     )  # fmt: skip
-    sp = SamplingParams(
-        temperature=0, max_tokens=24, logprobs=5, ignore_eos=True, detokenize=False
-    )
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True, detokenize=False)
     res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp)
     out = []
     for r in res:
