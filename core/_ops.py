@@ -69,17 +69,21 @@ class Workspace:
         self.partial_o = torch.empty(0, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(0, dtype=torch.float32, device=self.device)
 
-    def reserve(self, num_partials: int, num_qo_heads: int, head_dim: int) -> None:
-        """Make room for ``num_partials`` rows of [num_qo_heads, head_dim]."""
+    def reserve(self, num_partials: int, num_qo_heads: int, head_dim: int) -> bool:
+        """Make room for ``num_partials`` rows of [num_qo_heads, head_dim]; True if a buffer
+        moved (a captured CUDA graph that used the old one is stale)."""
         rows = max(num_partials, 1) * num_qo_heads
         if self.partial_lse.numel() < rows:
             rows = max(rows, 2 * self.partial_lse.numel())
             self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
             self.partial_o = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
-        elif self.partial_o.numel() < rows * head_dim:
+            return True
+        if self.partial_o.numel() < rows * head_dim:
             self.partial_o = torch.empty(
                 self.partial_lse.numel() * head_dim, dtype=torch.float32, device=self.device
             )
+            return True
+        return False
 
 
 def run_plan_cuda(
@@ -90,6 +94,9 @@ def run_plan_cuda(
     out: torch.Tensor,
     scale: float,
     workspace: Workspace,
+    *,
+    prefetch_tiles: int = 0,
+    fixed_grid: bool = False,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
@@ -124,4 +131,6 @@ def run_plan_cuda(
         plan.num_merge_tokens,
         plan.kv_layout == "HND",
         float(scale),
+        int(prefetch_tiles),
+        bool(fixed_grid),
     )

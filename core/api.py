@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffers import COUNTS, PlanBuffers, load_on_host
+from .buffers import COUNTS_LEN, PlanBuffers, load_on_host, variant_bounds
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
 from .packer import PACKINGS, BatchShape, pack
@@ -103,13 +103,27 @@ class PrefixAttention:
         self._workspace: Any = None
         self.use_kernels = True
         """Run plans on the CUDA kernels when they are built (CUDA fp16/bf16 tensors)."""
+        self.prefetch_tiles = 0
+        """CUDA kernels: prefetch KV into L2 this many 64-token tiles ahead of the copies
+        (``cp.async.bulk.prefetch.L2``); 0 turns it off (see docs/kernel-notes.md)."""
+        self.fixed_grid = False
+        """CUDA kernels: launch the plan-independent grids used under graph capture even when
+        not capturing (for tests and measurements)."""
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
 
+    cuda_graph_safe = True
+    """With the CUDA kernels, :meth:`run` may be captured in a CUDA graph: under capture it
+    launches grids that fill the device and read every size from the plan's device arrays, so
+    a replay runs whatever plan :meth:`plan` last wrote into the same buffers (valid while
+    :attr:`buffers_generation` is unchanged; q, the caches and ``out`` must be the captured
+    tensors, and the plan must have the captured number of tokens)."""
+
     @property
     def buffers_generation(self) -> int:
-        """Bumped whenever a plan outgrows the device buffers its arrays live in (CUDA only).
+        """Bumped whenever a plan outgrows the device buffers its arrays live in, or the fp32
+        partials scratch (CUDA only).
 
         A CUDA graph captured over :meth:`run` stays valid across plans while this value is
         unchanged; call :meth:`reserve` before capturing to size the buffers for the largest
@@ -118,7 +132,8 @@ class PrefixAttention:
         return 0 if self._buffers is None else self._buffers.generation
 
     def reserve(self, num_work_items: int, num_pages: int, num_slots: int, num_tokens: int) -> None:
-        """Size the plan's device buffers (CUDA devices) for plans up to these counts.
+        """Size the plan's device buffers and the fp32 partials scratch (CUDA devices) for
+        plans up to these counts.
 
         num_work_items: work items; num_pages: page ids over all items (at most the query-
         centric total); num_slots: (item, token) pairs; num_tokens: tokens per step.
@@ -131,8 +146,19 @@ class PrefixAttention:
         self._buffers.reserve(
             kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
             q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
-            merge_partials=s, counts=len(COUNTS),
+            merge_partials=s, counts=COUNTS_LEN,
         )  # fmt: skip
+        # Every partial row is one (item, token) slot, so slots bound the partials.
+        self._reserve_workspace(s)
+
+    def _reserve_workspace(self, num_partials: int) -> None:
+        from . import _ops
+
+        if self._workspace is None:
+            self._workspace = _ops.Workspace(self.device)
+        if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim):
+            assert self._buffers is not None
+            self._buffers.generation += 1
 
     @property
     def last_plan(self) -> LaunchPlan | None:
@@ -207,7 +233,7 @@ class PrefixAttention:
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
         counts = np.asarray(
             [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
-             acc["num_partials"], num_tokens],
+             acc["num_partials"], num_tokens, *variant_bounds(tiles, tile_indptr)],
             dtype=np.int32,
         )  # fmt: skip
         arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}
@@ -216,6 +242,9 @@ class PrefixAttention:
             if self._buffers is None:
                 self._buffers = PlanBuffers(dev)
             views = self._buffers.load(arrays)
+            # The fp32 partials scratch grows here, on the host side of the step, so that
+            # buffers_generation tells graph users about it before any replay.
+            self._reserve_workspace(acc["num_partials"])
         else:
             views = load_on_host(arrays)
         plan = LaunchPlan(
@@ -277,9 +306,9 @@ class PrefixAttention:
             The plan to run (default: the last one :meth:`plan` built).
 
         Returns ``out`` (or a new tensor). On CUDA float16/bfloat16 tensors, with a library
-        built with the CUDA kernels, the plan runs on the kernels (no host sync; it is not yet
-        safe to capture in a CUDA graph: launch sizes come from the host plan); otherwise the
-        PyTorch reference executes it (``prefixattn.reference.run_plan_reference``).
+        built with the CUDA kernels, the plan runs on the kernels (no host sync, no allocation
+        once the scratch is reserved; capturable in a CUDA graph, see :attr:`cuda_graph_safe`);
+        otherwise the PyTorch reference executes it (``prefixattn.reference.run_plan_reference``).
         """
         plan = plan if plan is not None else self._plan
         if plan is None:
@@ -294,7 +323,10 @@ class PrefixAttention:
             if _ops.cuda_ops_available():
                 if self._workspace is None:
                     self._workspace = _ops.Workspace(q.device)
-                _ops.run_plan_cuda(plan, q, k_cache, v_cache, out, scale, self._workspace)
+                _ops.run_plan_cuda(
+                    plan, q, k_cache, v_cache, out, scale, self._workspace,
+                    prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
+                )  # fmt: skip
                 return out
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
 

@@ -135,17 +135,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = torch.empty_like(q)
         scale = 1 / math.sqrt(d)
         row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
-        variants = [("prefixattn", "memory", True)]
+        # name, packing, split, L2 prefetch distance, fixed (graph-capture) grid
+        variants = [("prefixattn", "memory", True, 0, False)]
         if args.ablations:
-            variants += [("naive", "naive", True), ("per_query", "per_query", True),
-                         ("no_split", "memory", False)]  # fmt: skip
-        for name, packing, split in variants:
+            variants += [("naive", "naive", True, 0, False),
+                         ("per_query", "per_query", True, 0, False),
+                         ("no_split", "memory", False, 0, False),
+                         ("prefetch2", "memory", True, 2, False),
+                         ("fixed_grid", "memory", True, 0, True)]  # fmt: skip
+        for name, packing, split, prefetch, fixed in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
-            row[f"{name}_us"] = timer.median_us(
-                functools.partial(_ops.run_plan_cuda, plan, q, k, v, out, scale, ws)
-            )
+            call = functools.partial(
+                _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
+                prefetch_tiles=prefetch, fixed_grid=fixed,
+            )  # fmt: skip
+            row[f"{name}_us"] = timer.median_us(call)
             if name == "prefixattn":
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
                 row["floor_us"] = floor_bytes / bw * 1e6
@@ -176,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "naive_us", "per_query_us",
-                        "no_split_us") if any(c in r for r in result["rows"])]  # fmt: skip
+                        "no_split_us", "prefetch2_us", "fixed_grid_us")
+            if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
              "| tree | heads | page | " + " | ".join(cols) + " | % floor |",

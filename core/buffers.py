@@ -16,7 +16,33 @@ import torch
 
 COUNTS = ("num_work_items", "num_slots", "num_pages", "num_merge_tokens", "num_partials",
           "num_tokens")  # fmt: skip
-"""Order of the entries of the plan's ``counts`` device array."""
+"""Order of the first entries of the plan's ``counts`` device array."""
+
+VARIANT_ROWS = (16, 32, 64, 128)
+"""Query-tile heights of the CUDA kernel variants. ``counts[len(COUNTS) + v]`` ..
+``counts[len(COUNTS) + v + 1]`` are the work items that run with height ``VARIANT_ROWS[v]``
+(items are ordered by tile height), so kernels launched with a fixed grid read them."""
+
+COUNTS_LEN = len(COUNTS) + len(VARIANT_ROWS) + 1
+"""Entries of the ``counts`` array (the sizes, then the variant bounds)."""
+
+
+def variant_bounds(tiles: tuple[tuple[int, int], ...], tile_indptr: tuple[int, ...]) -> list[int]:
+    """Item bounds per kernel variant from the plan's tile groups (ordered by height).
+
+    Worked example: tiles ((16, 64), (16, 128), (128, 128)), tile_indptr (0, 3, 5, 6) ->
+    [0, 5, 5, 5, 6]: items 0-4 run with 16 rows, item 5 with 128.
+    """
+    bounds = [0] * (len(VARIANT_ROWS) + 1)
+    for v, rows in enumerate(VARIANT_ROWS):
+        end = 0
+        for t, (m, _) in enumerate(tiles):
+            if m not in VARIANT_ROWS:
+                raise ValueError(f"tile height {m} has no kernel variant ({VARIANT_ROWS})")
+            if m <= rows:
+                end = tile_indptr[t + 1]
+        bounds[v + 1] = end
+    return bounds
 
 
 class PlanBuffers:

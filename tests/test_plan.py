@@ -149,3 +149,24 @@ def test_plan_arrays_are_int32_on_device() -> None:
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.kv_bytes = 0  # type: ignore[misc]
+
+
+def test_variant_bounds_follow_tile_groups():
+    from prefixattn.buffers import COUNTS, COUNTS_LEN, VARIANT_ROWS, variant_bounds
+
+    assert variant_bounds(((16, 64), (16, 128), (128, 128)), (0, 3, 5, 6)) == [0, 5, 5, 5, 6]
+    assert variant_bounds((), (0,)) == [0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="tile height 48"):
+        variant_bounds(((48, 64),), (0, 2))
+    # A plan's counts end with the bounds: items of height VARIANT_ROWS[v] are
+    # counts[6 + v] .. counts[7 + v], and the groups' heights agree with them.
+    pa = PrefixAttention(32, 8, 128, 16)
+    table, lens = tree_batch("1,4,64_1024,256,128", 16)
+    plan = pa.plan(table, lens)
+    counts = plan.counts.tolist()
+    assert len(counts) == COUNTS_LEN
+    bounds = counts[len(COUNTS) :]
+    assert bounds[0] == 0 and bounds[-1] == plan.num_work_items
+    for t, (m, _) in enumerate(plan.tiles):
+        v = VARIANT_ROWS.index(m)
+        assert bounds[v] <= plan.tile_indptr[t] and plan.tile_indptr[t + 1] <= bounds[v + 1]

@@ -1,10 +1,12 @@
-// CUDA implementation of prefixattn::run_plan: one forward launch per tile group on the current
-// stream, then one merge launch.
+// CUDA implementation of prefixattn::run_plan: one forward launch per query-tile variant on the
+// current stream, then one merge launch; sizes come from the plan's device `counts`.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "prefixattn/decode_kernels.cuh"
 
@@ -16,67 +18,80 @@ void check_index(const at::Tensor& t, const char* name) {
               name, " must be a contiguous int32 CUDA tensor");
 }
 
-template <typename T, int D, int RPW>
-void launch_forward(const ForwardParams& p, int num_items, int num_kv_heads, cudaStream_t stream) {
-  constexpr int smem = forward_smem_bytes<D, RPW>();
-  auto kernel = forward_kernel<T, D, RPW>;
-  static bool configured = [&] {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    return true;
-  }();
-  (void)configured;
-  kernel<<<dim3(num_items, num_kv_heads), detail::kThreads, smem, stream>>>(p);
+// Thread blocks that fill the device once (SMs x resident blocks): the fixed grid of a
+// launch whose size must not depend on the plan (CUDA-graph capture).
+template <typename K>
+int fill_grid(K kernel, int threads, int smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return sms * (per_sm > 0 ? per_sm : 1);
 }
 
-template <typename T, int D, int WARPS>
-void launch_forward_mma(const ForwardParams& p, int num_items, int num_kv_heads,
-                        cudaStream_t stream) {
-  constexpr int smem = forward_mma_smem_bytes<D, WARPS>();
-  auto kernel = forward_mma_kernel<T, D, WARPS>;
-  static bool configured = [&] {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    return true;
+// Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host, or -1 when the
+// launch must run any plan (fixed grid).
+template <auto kernel>
+void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream_t stream) {
+  static const int full = [&] {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return fill_grid(kernel, threads, smem);
   }();
-  (void)configured;
-  kernel<<<dim3(num_items, num_kv_heads), WARPS * 32, smem, stream>>>(p);
+  const int grid = pairs < 0 ? full : std::min(pairs, full);
+  if (grid > 0) kernel<<<grid, threads, smem, stream>>>(p);
 }
+
+// Variant v runs query tiles of kVariantRows[v] rows.
+constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
 template <typename T, int D>
-void dispatch_forward(const ForwardParams& p, int m, int num_items, int num_kv_heads,
-                      cudaStream_t stream) {
-  // Tensor cores for head_dim <= 128 (16 rows per warp); CUDA cores for head_dim 256.
+void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
   if constexpr (D <= 128) {
-    if (m <= 64) return launch_forward_mma<T, D, 4>(p, num_items, num_kv_heads, stream);
-    if (m <= 128) return launch_forward_mma<T, D, 8>(p, num_items, num_kv_heads, stream);
+    // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
+    // rows use 4 warps and 128 rows 8 warps of 16 rows each.
+    constexpr int S = D <= 64 ? 4 : 3;
+    switch (p.variant) {
+      case 0: return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
+                            forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream);
+      case 1: return launch<forward_mma_kernel<T, D, 4, 2, S>>(128,
+                            forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream);
+      case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
+                            forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream);
+      default: return launch<forward_mma_kernel<T, D, 8, 1, S>>(256,
+                             forward_mma_smem_bytes<D, 8, 1, S>(), p, pairs, stream);
+    }
+  } else {
+    // CUDA cores (head_dim 256): 8 warps, ROWS_PER_WARP = rows / 8; at most 64 rows.
+    switch (p.variant) {
+      case 0: return launch<forward_kernel<T, D, 2>>(detail::kThreads, forward_smem_bytes<D, 2>(),
+                            p, pairs, stream);
+      case 1: return launch<forward_kernel<T, D, 4>>(detail::kThreads, forward_smem_bytes<D, 4>(),
+                            p, pairs, stream);
+      case 2: return launch<forward_kernel<T, D, 8>>(detail::kThreads, forward_smem_bytes<D, 8>(),
+                            p, pairs, stream);
+      default: TORCH_CHECK(pairs <= 0, "prefixattn: query tile of 128 rows is not instantiated "
+                                       "for head_dim 256 (max 64)");
+    }
   }
-  const int rpw = (m + detail::kWarps - 1) / detail::kWarps;
-  if (rpw <= 2) return launch_forward<T, D, 2>(p, num_items, num_kv_heads, stream);
-  if (rpw <= 4) return launch_forward<T, D, 4>(p, num_items, num_kv_heads, stream);
-  if (rpw <= 8) return launch_forward<T, D, 8>(p, num_items, num_kv_heads, stream);
-  if constexpr (D <= 128) {
-    if (rpw <= 16) return launch_forward<T, D, 16>(p, num_items, num_kv_heads, stream);
-  }
-  TORCH_CHECK(false, "prefixattn: query tile of ", m, " rows is not instantiated for head_dim ",
-              D, " (max ", D <= 128 ? 128 : 64, ")");
 }
 
 template <typename T>
-void dispatch_dim(int D, const ForwardParams& p, int m, int n, int kvh, cudaStream_t s) {
+void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s) {
   switch (D) {
-    case 64: return dispatch_forward<T, 64>(p, m, n, kvh, s);
-    case 128: return dispatch_forward<T, 128>(p, m, n, kvh, s);
-    case 256: return dispatch_forward<T, 256>(p, m, n, kvh, s);
+    case 64: return launch_variant<T, 64>(p, pairs, s);
+    case 128: return launch_variant<T, 128>(p, pairs, s);
+    case 256: return launch_variant<T, 256>(p, pairs, s);
     default: TORCH_CHECK(false, "prefixattn: head_dim ", D, " unsupported (64, 128, 256)");
   }
 }
 
 template <typename T>
 void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s) {
-  switch (D) {
-    case 64: merge_kernel<T, 64><<<num_merge, 256, 0, s>>>(p); break;
-    case 128: merge_kernel<T, 128><<<num_merge, 256, 0, s>>>(p); break;
-    case 256: merge_kernel<T, 256><<<num_merge, 256, 0, s>>>(p); break;
-  }
+  auto kernel = D == 64 ? merge_kernel<T, 64> : D == 128 ? merge_kernel<T, 128> : merge_kernel<T, 256>;
+  static const int full = fill_grid(merge_kernel<T, 128>, 256, 0);
+  const int grid = num_merge < 0 ? full : std::min(num_merge, full);
+  if (grid > 0) kernel<<<grid, 256, 0, s>>>(p);
 }
 
 void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -88,7 +103,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& merge_tokens, const at::Tensor& merge_indptr,
                    const at::Tensor& merge_partials, const at::Tensor& counts,
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
-                   bool hnd, double scale) {
+                   bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -105,6 +120,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
   TORCH_CHECK(tile_indptr.size() == tile_m.size() + 1, "prefixattn: tile_indptr/tile_m mismatch");
+  TORCH_CHECK(counts.numel() >= kCountsLen, "prefixattn: counts must hold ", kCountsLen,
+              " entries (plan sizes and variant bounds)");
   const int D = q.size(2);
   const int hq = q.size(1);
   const int hkv = hnd ? k_cache.size(1) : k_cache.size(2);
@@ -150,21 +167,44 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.v_stride_page = v_cache.stride(0);
   p.v_stride_tok = v_cache.stride(tok_dim);
   p.v_stride_head = v_cache.stride(head_dim_idx);
+  p.counts = counts.data_ptr<int32_t>();
   p.page_size = page_size;
+  p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
   p.group_size = hq / hkv;
   p.num_qo_heads = hq;
+  p.num_kv_heads = hkv;
+  p.prefetch_tiles = static_cast<int>(prefetch_tiles);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
 
+  // Items per variant on the host (launch sizes); the kernels read the bounds from `counts`.
+  // Under CUDA-graph capture (or fixed_grid) every variant launches a grid that fills the
+  // device, so a replay runs whatever plan the buffers hold by then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool fixed = fixed_grid || capture != cudaStreamCaptureStatusNone;
+  int variant_items[kNumVariants] = {0, 0, 0, 0};
   for (size_t t = 0; t < tile_m.size(); ++t) {
-    const int n = tile_indptr[t + 1] - tile_indptr[t];
-    if (n <= 0) continue;
-    p.item_offset = tile_indptr[t];
-    if (q.scalar_type() == at::kHalf)
-      dispatch_dim<half>(D, p, tile_m[t], n, hkv, stream);
-    else
-      dispatch_dim<__nv_bfloat16>(D, p, tile_m[t], n, hkv, stream);
+    const int v = static_cast<int>(std::find(kVariantRows, kVariantRows + kNumVariants,
+                                             static_cast<int>(tile_m[t])) - kVariantRows);
+    TORCH_CHECK(v < kNumVariants, "prefixattn: query tile of ", tile_m[t],
+                " rows has no kernel (16, 32, 64, 128)");
+    variant_items[v] += static_cast<int>(tile_indptr[t + 1] - tile_indptr[t]);
   }
-  if (num_merge_tokens > 0) {
+  for (int v = 0; v < kNumVariants; ++v) {
+    if (D > 128 && v == kNumVariants - 1) {
+      TORCH_CHECK(variant_items[v] == 0, "prefixattn: query tile of 128 rows is not "
+                                         "instantiated for head_dim 256 (max 64)");
+      continue;
+    }
+    if (!fixed && variant_items[v] == 0) continue;
+    p.variant = v;
+    const int pairs = fixed ? -1 : variant_items[v] * hkv;
+    if (q.scalar_type() == at::kHalf)
+      launch_variant_dim<half>(D, p, pairs, stream);
+    else
+      launch_variant_dim<__nv_bfloat16>(D, p, pairs, stream);
+  }
+  if (fixed || num_merge_tokens > 0) {
     MergeParams mp{};
     mp.partial_o = p.partial_o;
     mp.partial_lse = p.partial_lse;
@@ -177,9 +217,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     mp.o_stride_h = p.o_stride_h;
     mp.num_qo_heads = hq;
     if (q.scalar_type() == at::kHalf)
-      launch_merge<half>(mp, D, num_merge_tokens, stream);
+      launch_merge<half>(mp, D, fixed ? -1 : static_cast<int>(num_merge_tokens), stream);
     else
-      launch_merge<__nv_bfloat16>(mp, D, num_merge_tokens, stream);
+      launch_merge<__nv_bfloat16>(mp, D, fixed ? -1 : static_cast<int>(num_merge_tokens), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

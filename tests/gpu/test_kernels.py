@@ -69,7 +69,7 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
-          packing="memory", split_kv=True, seed=0):  # fmt: skip
+          packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -81,7 +81,8 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     out = torch.full_like(q, float("nan"))
     ws = _ops.Workspace(DEV)
     scale = 1.0 / math.sqrt(d)
-    _ops.run_plan_cuda(plan, q, k, v, out, scale, ws)
+    _ops.run_plan_cuda(plan, q, k, v, out, scale, ws, fixed_grid=fixed_grid,
+                       prefetch_tiles=prefetch_tiles)  # fmt: skip
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert not torch.isnan(out).any(), "unwritten output elements"
     err = (out.float() - ref).abs().max().item()
@@ -131,8 +132,9 @@ def test_random_forest(case, packing, qlen, seed):
     table, lens, num_pages = random_forest(rng, ps, int(rng.integers(1, 40)),
                                            max(1, 700 // ps), 339)  # fmt: skip
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
+    # Seed 1 also takes the fixed-grid launches (as under graph capture) and L2 prefetch.
     check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
-          seed=seed)  # fmt: skip
+          seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * seed)  # fmt: skip
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
@@ -167,6 +169,49 @@ def test_cuda_graph_replay():
     qo = np.arange(len(lens) + 1, dtype=np.int32)
     ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 0.1)
     assert (out.float() - ref).abs().max().item() < 4 * EPS[torch.bfloat16] * 4
+
+
+def test_cuda_graph_replays_new_plans():
+    # Capture once, then replay plans of other forests (other item counts, tile heights,
+    # merges) with the same number of tokens: the graph reads every size from device memory.
+    hq, hkv, d, ps, b = 32, 8, 128, 16, 64
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    num_pages = 64 * 80
+    k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
+    pa.reserve(num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024,
+               num_tokens=b)  # fmt: skip
+    generation = pa.buffers_generation
+    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def batch(spec, seed):
+        table, lens = tree_batch(spec, ps, seed=seed)
+        assert len(lens) == b and table.max() < num_pages
+        return table, lens
+
+    # Trees with 64 leaves: one shared root, two levels, nothing shared.
+    specs = ["1,64_1024,100", "1,4,64_512,256,33", "64_700", "1,2,64_2048,16,300"]
+    table, lens = batch(specs[0], 0)
+    pa.plan(table, lens)
+    pa.run(q, k, v, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.run(q, k, v, out=out)
+    for i, spec in enumerate(specs[1:] + specs[:1]):
+        table, lens = batch(spec, i + 1)
+        pa.plan(table, lens)
+        assert pa.buffers_generation == generation, "reserve() was too small for this test"
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        qo = np.arange(b + 1, dtype=np.int32)
+        ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(d))
+        assert not torch.isnan(out).any(), f"{spec}: unwritten output"
+        err = (out.float() - ref).abs().max().item()
+        assert err < 4 * EPS[torch.bfloat16] * 4, f"{spec}: max error {err}"
 
 
 def test_unsupported_dtype_raises():

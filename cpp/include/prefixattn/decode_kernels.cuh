@@ -1,14 +1,19 @@
 // Forward and merge kernels that execute a prefixattn LaunchPlan. Torch-free: raw pointers and
 // one params struct per stage.
 //
-// Forward: one thread block per (work item, KV head). The block streams the item's KV run
-// through shared memory once (64 tokens per tile, cp.async double buffered, zero-filled past
-// the end) and computes every query row of the item against it: rows = tokens x GQA group,
-// token-major (row r -> slot r / group, q head kv_head * group + r % group). Eight warps; warp w
-// owns rows w, w + 8, ... (ROWS_PER_WARP of them, a compile-time bound from the tile height m).
-// Scores: lane j owns keys j and j + 32 of the tile; output: lane owns D / 32 contiguous dims.
-// Online softmax in the log2 domain; a slot with q_out == -1 writes the output directly in the
-// input dtype, otherwise fp32 partial o (normalised) and natural-log log-sum-exp.
+// Work: a (work item, KV head) pair. Items are grouped by query-tile height m (16, 32, 64, 128
+// rows; rows = tokens x GQA group, token-major: row r -> slot r / group, q head
+// kv_head * group + r % group). One launch per height ("variant") runs that group's pairs; the
+// group's bounds are read from device memory (counts[kVariantBase + v ..]), never from the
+// host, and a block loops over pairs with a grid stride, so a launch with a fixed grid runs any
+// plan (CUDA-graph replay). Within a group, consecutive blocks take consecutive items of one KV
+// head, so items that share KV (row chunks of one forest node) run side by side and meet in L2.
+//
+// Each pair streams its item's KV run through shared memory once (64-token tiles, STAGES-deep
+// cp.async pipeline, zero-filled past the end: masked keys carry V = 0, never NaN) and computes
+// every query row of the item against it. A query covered by one item gets its output written
+// in q's dtype; otherwise the item writes an fp32 normalised partial row and its natural-log
+// log-sum-exp, and the merge kernel combines the partials.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +21,13 @@
 #include <stdint.h>
 
 namespace prefixattn {
+
+// Layout of the plan's int32 `counts` device array.
+constexpr int kCountItems = 0;        // work items
+constexpr int kCountMergeTokens = 3;  // tokens the merge stage combines
+constexpr int kVariantBase = 6;       // counts[6 + v] .. counts[7 + v]: items of variant v
+constexpr int kNumVariants = 4;       // query-tile heights 16, 32, 64, 128
+constexpr int kCountsLen = kVariantBase + kNumVariants + 1;
 
 struct ForwardParams {
   const void* q;  // [T, Hq, D]
@@ -32,15 +44,19 @@ struct ForwardParams {
   const int32_t* q_tokens;
   const int32_t* q_limit;
   const int32_t* q_out;
+  const int32_t* counts;  // kCountsLen entries (layout above)
   int64_t q_stride_t, q_stride_h;
   int64_t o_stride_t, o_stride_h;
   int64_t k_stride_page, k_stride_tok, k_stride_head;
   int64_t v_stride_page, v_stride_tok, v_stride_head;
   int page_size;
+  int page_shift;  // log2(page_size) when a power of two, else -1
   int group_size;
   int num_qo_heads;
-  int item_offset;  // first work item of this launch
-  float scale_log2;  // softmax scale * log2(e)
+  int num_kv_heads;
+  int variant;         // which group of items this launch runs
+  int prefetch_tiles;  // > 0: prefetch the KV tile this many tiles ahead of the copies into L2
+  float scale_log2;    // softmax scale * log2(e)
 };
 
 struct MergeParams {
@@ -50,7 +66,7 @@ struct MergeParams {
   const int32_t* merge_tokens;
   const int32_t* merge_indptr;
   const int32_t* merge_partials;
-  const int32_t* counts;  // device counts; [3] = number of merge tokens
+  const int32_t* counts;
   int64_t o_stride_t, o_stride_h;
   int num_qo_heads;
 };
@@ -58,8 +74,6 @@ struct MergeParams {
 namespace detail {
 
 constexpr int kTileN = 64;
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kPad = 8;  // halfs of padding per smem KV row: rows 16 B apart mod 128 B
 
 template <typename T>
@@ -92,6 +106,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Bulk prefetch of `bytes` (a multiple of 16) at a 16-byte aligned global address into L2.
+__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes));
+}
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -104,6 +122,42 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// Element offset of KV position `pos` of a run of pages (page then slot within the page).
+__device__ __forceinline__ int64_t kv_offset(const int32_t* pages, int pos, int page_size,
+                                             int page_shift, int64_t stride_page,
+                                             int64_t stride_tok) {
+  int page_idx, slot;
+  if (page_shift >= 0) {
+    page_idx = pos >> page_shift;
+    slot = pos & (page_size - 1);
+  } else {
+    page_idx = pos / page_size;
+    slot = pos - page_idx * page_size;
+  }
+  return static_cast<int64_t>(pages[page_idx]) * stride_page + slot * stride_tok;
+}
+
+// The (item, kv_head) pairs of this launch's variant: [0, total), pair -> (item, head).
+struct WorkRange {
+  int begin, num_items, total;
+  __device__ __forceinline__ WorkRange(const ForwardParams& p) {
+    begin = p.counts[kVariantBase + p.variant];
+    num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+    total = num_items > 0 ? num_items * p.num_kv_heads : 0;
+  }
+  __device__ __forceinline__ int item(int w) const { return begin + w % num_items; }
+  __device__ __forceinline__ int head(int w) const { return w / num_items; }
+};
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-core forward (head_dim 256): 8 warps; warp w owns rows w, w + 8, ... (ROWS_PER_WARP of
+// them); lane j scores keys j and j + 32 of the tile; lane owns D / 32 contiguous output dims;
+// online softmax in the log2 domain; two-stage cp.async pipeline.
+namespace detail {
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
 }  // namespace detail
 
 template <int D, int ROWS_PER_WARP>
@@ -114,21 +168,18 @@ constexpr int forward_smem_bytes() {
 }
 
 template <typename T, int D, int ROWS_PER_WARP>
-__global__ void __launch_bounds__(detail::kThreads)
-    forward_kernel(const ForwardParams p) {
+__device__ __forceinline__ void forward_item(const ForwardParams& p, int item, int kv_head,
+                                             unsigned char* smem_raw) {
   using namespace detail;
   constexpr int kRow = D + kPad;   // smem KV row, halfs
   constexpr int kChunks = D / 8;   // 16-byte chunks per row
   constexpr int kDpl = D / 32;     // output dims per lane
   constexpr int kRows = kWarps * ROWS_PER_WARP;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* k_s = reinterpret_cast<T*>(smem_raw);                   // [2][kTileN][kRow]
   T* v_s = k_s + 2 * kTileN * kRow;                          // [2][kTileN][kRow]
   T* q_s = v_s + 2 * kTileN * kRow;                          // [kRows][D]
   float* p_s = reinterpret_cast<float*>(q_s + kRows * D);    // [kRows][kTileN]
 
-  const int item = p.item_offset + blockIdx.x;
-  const int kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = p.group_size;
   const int slot0 = p.q_indptr[item];
@@ -144,12 +195,14 @@ __global__ void __launch_bounds__(detail::kThreads)
       int t = c / kChunks, ch = c % kChunks;
       int pos = tile * kTileN + t;
       bool valid = pos < kv_len;
-      int page = valid ? pages[pos / p.page_size] : 0;
-      int slot = valid ? pos % p.page_size : 0;
-      const T* kg = k_base + page * p.k_stride_page + slot * p.k_stride_tok + ch * 8;
-      const T* vg = v_base + page * p.v_stride_page + slot * p.v_stride_tok + ch * 8;
-      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8, kg, valid);
-      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8, vg, valid);
+      int64_t ko = valid ? kv_offset(pages, pos, p.page_size, p.page_shift, p.k_stride_page,
+                                     p.k_stride_tok)
+                         : 0;
+      int64_t vo = valid ? kv_offset(pages, pos, p.page_size, p.page_shift, p.v_stride_page,
+                                     p.v_stride_tok)
+                         : 0;
+      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8, k_base + ko + ch * 8, valid);
+      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8, v_base + vo + ch * 8, valid);
     }
     cp_async_commit();
   };
@@ -293,37 +346,54 @@ __global__ void __launch_bounds__(detail::kThreads)
   }
 }
 
-// One block per merged token (grid capacity >= count; extra blocks exit); threads over heads x
-// dims. Combines the token's partial rows by log-sum-exp and writes q's dtype.
+template <typename T, int D, int ROWS_PER_WARP>
+__global__ void __launch_bounds__(detail::kThreads) forward_kernel(const ForwardParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const detail::WorkRange range(p);
+  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
+    forward_item<T, D, ROWS_PER_WARP>(p, range.item(w), range.head(w), smem_raw);
+    __syncthreads();  // shared memory is reused by the next pair
+  }
+}
+
+// One block per merged token, grid-stride over counts[kCountMergeTokens] (a fixed grid runs
+// any plan); threads over heads x dims. Combines the token's partial rows by log-sum-exp.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
-  const int i = blockIdx.x;
-  if (i >= p.counts[3]) return;
-  const int token = p.merge_tokens[i];
-  const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
-  for (int idx = threadIdx.x; idx < p.num_qo_heads * D; idx += blockDim.x) {
-    int h = idx / D, d = idx % D;
-    float m = -INFINITY;
-    for (int j = begin; j < end; ++j)
-      m = fmaxf(m, p.partial_lse[static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h]);
-    float acc = 0.f, wsum = 0.f;
-    if (m != -INFINITY) {
-      for (int j = begin; j < end; ++j) {
-        int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
-        float w = __expf(p.partial_lse[row] - m);
-        wsum += w;
-        acc += w * p.partial_o[row * D + d];
+  const int num = p.counts[kCountMergeTokens];
+  for (int i = blockIdx.x; i < num; i += gridDim.x) {
+    const int token = p.merge_tokens[i];
+    const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
+    for (int idx = threadIdx.x; idx < p.num_qo_heads * D; idx += blockDim.x) {
+      int h = idx / D, d = idx % D;
+      float m = -INFINITY;
+      for (int j = begin; j < end; ++j)
+        m = fmaxf(m,
+                  p.partial_lse[static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h]);
+      float acc = 0.f, wsum = 0.f;
+      if (m != -INFINITY) {
+        for (int j = begin; j < end; ++j) {
+          int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
+          float w = __expf(p.partial_lse[row] - m);
+          wsum += w;
+          acc += w * p.partial_o[row * D + d];
+        }
       }
+      T* o = static_cast<T*>(p.out) + token * p.o_stride_t + h * p.o_stride_h + d;
+      *o = detail::Vec<T>::from_float(wsum > 0.f ? acc / wsum : 0.f);
     }
-    T* o = static_cast<T*>(p.out) + token * p.o_stride_t + h * p.o_stride_h + d;
-    *o = detail::Vec<T>::from_float(wsum > 0.f ? acc / wsum : 0.f);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core forward (mma.sync m16n8k16, fp32 accumulate), head_dim <= 128. Same contract as
-// forward_kernel. WARPS warps (4 or 8); warp w computes query rows 16w .. 16w+15 against the
-// whole 64-token tile; all warps share the cp.async KV loads. Fragment layouts (PTX ISA,
+// Tensor-core forward (mma.sync m16n8k16, fp32 accumulate), head_dim 64 and 128.
+//
+// WARPS warps = RB row blocks x KS key splits. Warp w computes query rows 16 * (w / KS) ..
+// +15 against keys (w % KS) * 64 / KS .. of every 64-token tile; the KS warps of a row block
+// keep separate softmax states and combine them through shared memory at the end (so an item
+// with 16 rows keeps 4 warps computing). q stays in registers as A fragments; K fragments come
+// from ldmatrix.x4, V fragments from ldmatrix.x4.trans; probabilities stay in registers (the S
+// accumulators of two key blocks are the A fragment of P.V). Fragment layouts (PTX ISA,
 // m16n8k16): A a0 = (row l/4, cols 2(l%4)+{0,1}), a1 = row+8, a2 = cols+8, a3 = both;
 // B b0 = (k 2(l%4)+{0,1}, n l/4), b1 = k+8; C c0,c1 = (row l/4, cols 2(l%4)+{0,1}), c2,c3 = row+8.
 namespace detail {
@@ -359,34 +429,45 @@ __device__ __forceinline__ uint32_t pack2<half>(float x, float y) {
   __half2 v = __floats2half2_rn(x, y);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-template <typename T>
-__device__ __forceinline__ uint32_t pack_halves(T lo, T hi) {
-  uint16_t a = *reinterpret_cast<uint16_t*>(&lo), b = *reinterpret_cast<uint16_t*>(&hi);
-  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+  uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 }  // namespace detail
 
-template <int D, int WARPS>
+template <int D, int WARPS, int KS, int STAGES>
 constexpr int forward_mma_smem_bytes() {
-  return 2 * 2 * detail::kTileN * (D + detail::kPad) * 2 + WARPS * 16 * (D + detail::kPad) * 2;
+  // KV stages; the key-split combine (WARPS x 32 lanes x (D/2 + 4) floats) reuses them.
+  constexpr int kv = STAGES * 2 * detail::kTileN * (D + detail::kPad) * 2;
+  constexpr int combine = KS > 1 ? WARPS * 32 * (D / 2 + 4) * 4 : 0;
+  return kv > combine ? kv : combine;
 }
 
-template <typename T, int D, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
+template <typename T, int D, int WARPS, int KS, int STAGES>
+__device__ __forceinline__ void forward_mma_item(const ForwardParams& p, int item, int kv_head,
+                                                 unsigned char* smem_raw) {
   using namespace detail;
   constexpr int kRow = D + kPad;
   constexpr int kChunks = D / 8;
   constexpr int kThreadsM = WARPS * 32;
-  constexpr int kNB = kTileN / 8;  // key blocks of 8
-  constexpr int kDB = D / 8;       // output dim blocks of 8
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kKeys = kTileN / KS;  // keys per warp per tile
+  constexpr int kNB = kKeys / 8;      // key blocks of 8 per warp
+  constexpr int kDB = D / 8;          // output dim blocks of 8
+  constexpr int kKC = D / 16;         // k-chunks of q.k
+  static_assert(kKeys % 16 == 0, "a warp's keys must fill whole k16 chunks of P.V");
   T* k_s = reinterpret_cast<T*>(smem_raw);
-  T* v_s = k_s + 2 * kTileN * kRow;
-  T* q_s = v_s + 2 * kTileN * kRow;  // [WARPS*16][kRow]
+  T* v_s = k_s + STAGES * kTileN * kRow;
 
-  const int item = p.item_offset + blockIdx.x;
-  const int kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rb = warp / KS, ks = warp % KS;
   const int g = p.group_size;
   const int slot0 = p.q_indptr[item];
   const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
@@ -395,77 +476,116 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   const int32_t* pages = p.kv_pages + p.kv_page_indptr[item];
   const T* k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
   const T* v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
+  const int num_tiles = (kv_len + kTileN - 1) / kTileN;
 
   auto load_tile = [&](int tile, int stage) {
-    for (int c = tid; c < kTileN * kChunks; c += kThreadsM) {
-      int t = c / kChunks, ch = c % kChunks;
+    // kThreadsM is a multiple of kChunks: a thread keeps its 16-byte column.
+    const int ch = tid % kChunks;
+#pragma unroll
+    for (int t = tid / kChunks; t < kTileN; t += kThreadsM / kChunks) {
       int pos = tile * kTileN + t;
       bool valid = pos < kv_len;
-      int page = valid ? pages[pos / p.page_size] : 0;
-      int slot = valid ? pos % p.page_size : 0;
-      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8,
-                  k_base + page * p.k_stride_page + slot * p.k_stride_tok + ch * 8, valid);
-      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8,
-                  v_base + page * p.v_stride_page + slot * p.v_stride_tok + ch * 8, valid);
+      int64_t ko = 0, vo = 0;
+      if (valid) {
+        ko = kv_offset(pages, pos, p.page_size, p.page_shift, p.k_stride_page, p.k_stride_tok);
+        vo = kv_offset(pages, pos, p.page_size, p.page_shift, p.v_stride_page, p.v_stride_tok);
+      }
+      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8, k_base + ko + ch * 8, valid);
+      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8, v_base + vo + ch * 8, valid);
     }
-    cp_async_commit();
   };
-  const int num_tiles = (kv_len + kTileN - 1) / kTileN;
-  if (num_tiles > 0) load_tile(0, 0);
-  for (int c = tid; c < WARPS * 16 * kChunks; c += kThreadsM) {
-    int r = c / kChunks, ch = c % kChunks;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < num_rows) {
-      int token = p.q_tokens[slot0 + r / g];
-      int head = kv_head * g + r % g;
-      val = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + token * p.q_stride_t +
-                                            head * p.q_stride_h + ch * 8);
+  auto prefetch_tile = [&](int tile) {
+    // One K or V row (D * 2 bytes) per thread.
+    for (int r = tid; r < 2 * kTileN; r += kThreadsM) {
+      int pos = tile * kTileN + (r >> 1);
+      if (pos >= kv_len) break;
+      const T* src =
+          (r & 1) ? v_base + kv_offset(pages, pos, p.page_size, p.page_shift, p.v_stride_page,
+                                       p.v_stride_tok)
+                  : k_base + kv_offset(pages, pos, p.page_size, p.page_shift, p.k_stride_page,
+                                       p.k_stride_tok);
+      prefetch_l2(src, D * sizeof(T));
     }
-    *reinterpret_cast<uint4*>(q_s + r * kRow + ch * 8) = val;
+  };
+
+  // Prologue: tiles 0 .. STAGES-2 in flight (one commit group per tile, empty past the end).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+  if (p.prefetch_tiles > 0) {
+    for (int t = STAGES - 1; t < STAGES - 1 + p.prefetch_tiles && t < num_tiles; ++t)
+      prefetch_tile(t);
   }
 
-  const bool active = warp * 16 < num_rows;  // warp-uniform
-  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
-  const int lim0 = r0 < num_rows ? p.q_limit[slot0 + r0 / g] - kv_start : 0;
-  const int lim1 = r1 < num_rows ? p.q_limit[slot0 + r1 / g] - kv_start : 0;
+  // q fragments of this warp's row block, straight from global memory (zero past num_rows).
+  const int qc = 2 * (lane % 4);
+  const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
+  uint32_t qa[kKC][4];
+  {
+    const T* q0 = nullptr;
+    const T* q1 = nullptr;
+    if (r0 < num_rows)
+      q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r0 / g] * p.q_stride_t +
+           (kv_head * g + r0 % g) * p.q_stride_h + qc;
+    if (r1 < num_rows)
+      q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r1 / g] * p.q_stride_t +
+           (kv_head * g + r1 % g) * p.q_stride_h + qc;
+#pragma unroll
+    for (int kc = 0; kc < kKC; ++kc) {
+      qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
+      qa[kc][1] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16) : 0u;
+      qa[kc][2] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16 + 8) : 0u;
+      qa[kc][3] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16 + 8) : 0u;
+    }
+  }
+
+  const bool active = rb * 16 < num_rows;  // warp-uniform
+  const int lim0 = r0 < num_rows ? min(p.q_limit[slot0 + r0 / g] - kv_start, kv_len) : 0;
+  const int lim1 = r1 < num_rows ? min(p.q_limit[slot0 + r1 / g] - kv_start, kv_len) : 0;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   float o[kDB][4];
 #pragma unroll
   for (int i = 0; i < kDB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  const int qc = 2 * (lane % 4);
+  const int key0 = ks * kKeys;  // this warp's first key within a tile
+  // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
+  // skipped (short items in a key split, causal extends).
+  const int warp_lim = __reduce_max_sync(0xffffffffu, max(lim0, lim1));
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile & 1;
-    if (tile + 1 < num_tiles) {
-      load_tile(tile + 1, stage ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `tile` landed for everyone; stage (tile - 1) % STAGES is free
+    {
+      const int next = tile + STAGES - 1;
+      if (next < num_tiles) load_tile(next, next % STAGES);
+      cp_async_commit();
+      if (p.prefetch_tiles > 0 && next + p.prefetch_tiles < num_tiles)
+        prefetch_tile(next + p.prefetch_tiles);
     }
-    __syncthreads();
-    if (active) {
-      const T* kt = k_s + stage * kTileN * kRow;
-      const T* vt = v_s + stage * kTileN * kRow;
+    const int stage = tile % STAGES;
+    const int base = tile * kTileN + key0;
+    // Skip warps whose keys are all past every bound of their rows (short or causal items).
+    if (active && base < warp_lim) {
+      const T* kt = k_s + (stage * kTileN + key0) * kRow;
+      const T* vt = v_s + (stage * kTileN + key0) * kRow;
       float s[kNB][4];
 #pragma unroll
       for (int nb = 0; nb < kNB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+      // ldmatrix.x4 (K): lane l addresses key (l & 7) + 8 * (l >> 4) of a 16-key pair of
+      // blocks, dims +8 * ((l >> 3) & 1): results are b0, b1 of key block 2j and 2j + 1.
+      const T* krow = kt + ((lane & 7) + ((lane >> 4) << 3)) * kRow + (((lane >> 3) & 1) << 3);
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        uint32_t a[4];
-        const T* qa = q_s + r0 * kRow + kc * 16 + qc;
-        a[0] = *reinterpret_cast<const uint32_t*>(qa);
-        a[1] = *reinterpret_cast<const uint32_t*>(qa + 8 * kRow);
-        a[2] = *reinterpret_cast<const uint32_t*>(qa + 8);
-        a[3] = *reinterpret_cast<const uint32_t*>(qa + 8 * kRow + 8);
+      for (int kc = 0; kc < kKC; ++kc) {
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) {
-          const T* kb = kt + (nb * 8 + lane / 4) * kRow + kc * 16 + qc;
-          mma16816<T>(s[nb], a, *reinterpret_cast<const uint32_t*>(kb),
-                      *reinterpret_cast<const uint32_t*>(kb + 8));
+        for (int nb = 0; nb < kNB; nb += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, krow + nb * 8 * kRow + kc * 16);
+          mma16816<T>(s[nb], qa[kc], b[0], b[1]);
+          mma16816<T>(s[nb + 1], qa[kc], b[2], b[3]);
         }
       }
-      const int base = tile * kTileN;
-      const int b0 = min(lim0, kv_len) - base, b1 = min(lim1, kv_len) - base;
+      const int b0 = lim0 - base, b1 = lim1 - base;
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int nb = 0; nb < kNB; ++nb) {
@@ -508,31 +628,73 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         o[db][3] *= al1;
       }
 #pragma unroll
-      for (int kc = 0; kc < kTileN / 16; ++kc) {
+      for (int kc = 0; kc < kKeys / 16; ++kc) {
         uint32_t a[4];
         a[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);
         a[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);
         a[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
         a[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-        // ldmatrix.x4.trans: lane l addresses row l % 8 of 8x8 matrix l / 8 = (keys
+        // ldmatrix.x4.trans (V): lane l addresses row l % 8 of 8x8 matrix l / 8 = (keys
         // +8 * (i & 1), dims +8 * (i >> 1)); the results are b0, b1 of two dim blocks.
         const T* vrow = vt + (kc * 16 + (lane & 8) + (lane & 7)) * kRow + ((lane >> 4) << 3);
 #pragma unroll
         for (int db = 0; db < kDB; db += 2) {
           uint32_t b[4];
-          uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(vrow + db * 8));
-          asm volatile(
-              "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-              : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-              : "r"(addr));
+          ldmatrix_x4_trans(b, vrow + db * 8);
           mma16816<T>(o[db], a, b[0], b[1]);
           mma16816<T>(o[db + 1], a, b[2], b[3]);
         }
       }
     }
-    __syncthreads();
   }
-  if (!active) return;
+
+  if constexpr (KS > 1) {
+    // Combine the KS softmax states of each row block; lanes hold the same fragment positions
+    // in every warp, so lane l of the first warp reads lane l of the others.
+    constexpr int kVals = kDB * 4 + 4;
+    float* red = reinterpret_cast<float*>(smem_raw);  // [WARPS][kVals][32]
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the KV stages
+    if (active && ks != 0) {
+      float* mine = red + warp * kVals * 32 + lane;
+#pragma unroll
+      for (int db = 0; db < kDB; ++db)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(db * 4 + e) * 32] = o[db][e];
+      mine[(kDB * 4 + 0) * 32] = m0;
+      mine[(kDB * 4 + 1) * 32] = m1;
+      mine[(kDB * 4 + 2) * 32] = l0;
+      mine[(kDB * 4 + 3) * 32] = l1;
+    }
+    __syncthreads();
+    if (!active || ks != 0) return;
+#pragma unroll
+    for (int j = 1; j < KS; ++j) {
+      const float* other = red + (warp + j) * kVals * 32 + lane;
+      const float om0 = other[(kDB * 4 + 0) * 32], om1 = other[(kDB * 4 + 1) * 32];
+      const float n0 = fmaxf(m0, om0), n1 = fmaxf(m1, om1);
+      // Weights of the two states (a state that saw no visible key has m = -inf, l = 0).
+      const float wa0 = m0 == -INFINITY ? 0.f : exp2f(m0 - n0);
+      const float wb0 = om0 == -INFINITY ? 0.f : exp2f(om0 - n0);
+      const float wa1 = m1 == -INFINITY ? 0.f : exp2f(m1 - n1);
+      const float wb1 = om1 == -INFINITY ? 0.f : exp2f(om1 - n1);
+      l0 = l0 * wa0 + other[(kDB * 4 + 2) * 32] * wb0;
+      l1 = l1 * wa1 + other[(kDB * 4 + 3) * 32] * wb1;
+      m0 = n0;
+      m1 = n1;
+#pragma unroll
+      for (int db = 0; db < kDB; ++db) {
+        o[db][0] = o[db][0] * wa0 + other[(db * 4 + 0) * 32] * wb0;
+        o[db][1] = o[db][1] * wa0 + other[(db * 4 + 1) * 32] * wb0;
+        o[db][2] = o[db][2] * wa1 + other[(db * 4 + 2) * 32] * wb1;
+        o[db][3] = o[db][3] * wa1 + other[(db * 4 + 3) * 32] * wb1;
+      }
+    }
+  } else {
+    cp_async_wait<0>();
+    if (!active) return;
+  }
+
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -563,6 +725,16 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
             l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
     }
+  }
+}
+
+template <typename T, int D, int WARPS, int KS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const detail::WorkRange range(p);
+  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
+    forward_mma_item<T, D, WARPS, KS, STAGES>(p, range.item(w), range.head(w), smem_raw);
+    __syncthreads();  // shared memory is reused by the next pair
   }
 }
 
