@@ -86,11 +86,13 @@ void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s
   }
 }
 
+// Merge: 8 warps per block, one (token, head) pair per warp and round; `num_merge` tokens
+// known on the host, or -1 for the fixed grid.
 template <typename T>
 void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s) {
   auto kernel = D == 64 ? merge_kernel<T, 64> : D == 128 ? merge_kernel<T, 128> : merge_kernel<T, 256>;
   static const int full = fill_grid(merge_kernel<T, 128>, 256, 0);
-  const int grid = num_merge < 0 ? full : std::min(num_merge, full);
+  const int grid = num_merge < 0 ? full : std::min((num_merge * p.num_qo_heads + 7) / 8, full);
   if (grid > 0) kernel<<<grid, 256, 0, s>>>(p);
 }
 

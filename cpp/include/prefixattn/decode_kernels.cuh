@@ -356,32 +356,46 @@ __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const Forward
   }
 }
 
-// One block per merged token, grid-stride over counts[kCountMergeTokens] (a fixed grid runs
-// any plan); threads over heads x dims. Combines the token's partial rows by log-sum-exp.
+// One warp per (merged token, head), grid-stride over counts[kCountMergeTokens] x heads (a
+// fixed grid runs any plan); lane owns D / 32 contiguous dims. Combines the token's partial
+// rows by log-sum-exp and writes q's dtype.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
-  const int num = p.counts[kCountMergeTokens];
-  for (int i = blockIdx.x; i < num; i += gridDim.x) {
-    const int token = p.merge_tokens[i];
+  constexpr int kDpl = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  const int total = p.counts[kCountMergeTokens] * p.num_qo_heads;
+  for (int pair = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); pair < total;
+       pair += warps) {
+    const int i = pair / p.num_qo_heads, h = pair % p.num_qo_heads;
     const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
-    for (int idx = threadIdx.x; idx < p.num_qo_heads * D; idx += blockDim.x) {
-      int h = idx / D, d = idx % D;
-      float m = -INFINITY;
-      for (int j = begin; j < end; ++j)
-        m = fmaxf(m,
-                  p.partial_lse[static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h]);
-      float acc = 0.f, wsum = 0.f;
-      if (m != -INFINITY) {
-        for (int j = begin; j < end; ++j) {
-          int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
-          float w = __expf(p.partial_lse[row] - m);
-          wsum += w;
-          acc += w * p.partial_o[row * D + d];
+    float m = -INFINITY;
+    for (int j = begin + lane; j < end; j += 32)
+      m = fmaxf(m, p.partial_lse[static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h]);
+    m = detail::warp_max(m);
+    float acc[kDpl];
+#pragma unroll
+    for (int d = 0; d < kDpl; ++d) acc[d] = 0.f;
+    float wsum = 0.f;
+    if (m != -INFINITY) {
+      for (int j = begin; j < end; ++j) {
+        const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
+        const float w = __expf(p.partial_lse[row] - m);
+        wsum += w;
+        const float* src = p.partial_o + row * D + lane * kDpl;
+#pragma unroll
+        for (int d = 0; d < kDpl; d += 2) {
+          const float2 x = *reinterpret_cast<const float2*>(src + d);
+          acc[d] += w * x.x;
+          acc[d + 1] += w * x.y;
         }
       }
-      T* o = static_cast<T*>(p.out) + token * p.o_stride_t + h * p.o_stride_h + d;
-      *o = detail::Vec<T>::from_float(wsum > 0.f ? acc / wsum : 0.f);
     }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    T* o = static_cast<T*>(p.out) + p.merge_tokens[i] * p.o_stride_t + h * p.o_stride_h +
+           lane * kDpl;
+#pragma unroll
+    for (int d = 0; d < kDpl; ++d) o[d] = detail::Vec<T>::from_float(acc[d] * inv);
   }
 }
 
@@ -445,15 +459,69 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
 
 template <int D, int WARPS, int KS, int STAGES>
 constexpr int forward_mma_smem_bytes() {
-  // KV stages; the key-split combine (WARPS x 32 lanes x (D/2 + 4) floats) reuses them.
-  constexpr int kv = STAGES * 2 * detail::kTileN * (D + detail::kPad) * 2;
-  constexpr int combine = KS > 1 ? WARPS * 32 * (D / 2 + 4) * 4 : 0;
-  return kv > combine ? kv : combine;
+  // KV stages. The key-split combine (WARPS x 32 lanes x (D/2 + 4) floats = 256 (D + 8) B
+  // for 4 warps, one stage) goes through the stage whose tile was just computed.
+  static_assert(KS == 1 || WARPS * 32 * (D / 2 + 4) * 4 <= 2 * detail::kTileN * (D + detail::kPad) * 2,
+                "the key-split combine must fit in one KV stage");
+  return STAGES * 2 * detail::kTileN * (D + detail::kPad) * 2;
 }
 
+namespace detail {
+// A block's position in the stream of its (item, head) pairs, for the loads or the math.
+template <typename T>
+struct PairCursor {
+  int w;          // pair index (grid-stride)
+  int item, kv_head;
+  int kv_len, num_tiles;  // num_tiles >= 1: an empty item still runs one masked tile
+  const int32_t* pages;
+  const T* k_base;
+  const T* v_base;
+
+  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int w_) {
+    w = w_;
+    item = range.item(w);
+    kv_head = range.head(w);
+    kv_len = p.kv_len[item];
+    num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
+    pages = p.kv_pages + p.kv_page_indptr[item];
+    k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
+    v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
+  }
+};
+
+// q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8), zero past the
+// item's rows.
+template <typename T, int kKC>
+__device__ __forceinline__ void load_q_frags(const ForwardParams& p, int item, int kv_head, int rb,
+                                             uint32_t (&qa)[kKC][4]) {
+  const int lane = threadIdx.x & 31, g = p.group_size;
+  const int slot0 = p.q_indptr[item];
+  const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
+  const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
+  const T* q0 = nullptr;
+  const T* q1 = nullptr;
+  if (r0 < num_rows)
+    q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r0 / g] * p.q_stride_t +
+         (kv_head * g + r0 % g) * p.q_stride_h + qc;
+  if (r1 < num_rows)
+    q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r1 / g] * p.q_stride_t +
+         (kv_head * g + r1 % g) * p.q_stride_h + qc;
+#pragma unroll
+  for (int kc = 0; kc < kKC; ++kc) {
+    qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
+    qa[kc][1] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16) : 0u;
+    qa[kc][2] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16 + 8) : 0u;
+    qa[kc][3] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16 + 8) : 0u;
+  }
+}
+}  // namespace detail
+
+// Persistent and pipelined across pairs: the block's pairs form one stream of KV tiles, and
+// the copies run STAGES - 1 tiles ahead of the math across pair boundaries, so a pair of one
+// tile (a short leaf) costs its bytes, not a round of dependent loads. With 4 warps the
+// next pair's q fragments are fetched into registers while the current pair computes.
 template <typename T, int D, int WARPS, int KS, int STAGES>
-__device__ __forceinline__ void forward_mma_item(const ForwardParams& p, int item, int kv_head,
-                                                 unsigned char* smem_raw) {
+__global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
   using namespace detail;
   constexpr int kRow = D + kPad;
   constexpr int kChunks = D / 8;
@@ -462,280 +530,282 @@ __device__ __forceinline__ void forward_mma_item(const ForwardParams& p, int ite
   constexpr int kNB = kKeys / 8;      // key blocks of 8 per warp
   constexpr int kDB = D / 8;          // output dim blocks of 8
   constexpr int kKC = D / 16;         // k-chunks of q.k
+  constexpr bool kPrefetchQ = WARPS <= 4;
   static_assert(kKeys % 16 == 0, "a warp's keys must fill whole k16 chunks of P.V");
-  T* k_s = reinterpret_cast<T*>(smem_raw);
-  T* v_s = k_s + STAGES * kTileN * kRow;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Stage s holds K rows then V rows of one tile: [STAGES][2][kTileN][kRow].
+  T* const kv_s = reinterpret_cast<T*>(smem_raw);
+  auto k_stage = [&](int st) { return kv_s + st * 2 * kTileN * kRow; };
+  auto v_stage = [&](int st) { return kv_s + (st * 2 + 1) * kTileN * kRow; };
 
+  const WorkRange range(p);
+  if (static_cast<int>(blockIdx.x) >= range.total) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = warp / KS, ks = warp % KS;
   const int g = p.group_size;
-  const int slot0 = p.q_indptr[item];
-  const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
-  const int kv_len = p.kv_len[item];
-  const int kv_start = p.kv_start[item];
-  const int32_t* pages = p.kv_pages + p.kv_page_indptr[item];
-  const T* k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
-  const int num_tiles = (kv_len + kTileN - 1) / kTileN;
-
-  auto load_tile = [&](int tile, int stage) {
-    // kThreadsM is a multiple of kChunks: a thread keeps its 16-byte column.
-    const int ch = tid % kChunks;
-#pragma unroll
-    for (int t = tid / kChunks; t < kTileN; t += kThreadsM / kChunks) {
-      int pos = tile * kTileN + t;
-      bool valid = pos < kv_len;
-      int64_t ko = 0, vo = 0;
-      if (valid) {
-        ko = kv_offset(pages, pos, p.page_size, p.page_shift, p.k_stride_page, p.k_stride_tok);
-        vo = kv_offset(pages, pos, p.page_size, p.page_shift, p.v_stride_page, p.v_stride_tok);
-      }
-      cp_async_16(k_s + (stage * kTileN + t) * kRow + ch * 8, k_base + ko + ch * 8, valid);
-      cp_async_16(v_s + (stage * kTileN + t) * kRow + ch * 8, v_base + vo + ch * 8, valid);
-    }
-  };
-  auto prefetch_tile = [&](int tile) {
-    // One K or V row (D * 2 bytes) per thread.
-    for (int r = tid; r < 2 * kTileN; r += kThreadsM) {
-      int pos = tile * kTileN + (r >> 1);
-      if (pos >= kv_len) break;
-      const T* src =
-          (r & 1) ? v_base + kv_offset(pages, pos, p.page_size, p.page_shift, p.v_stride_page,
-                                       p.v_stride_tok)
-                  : k_base + kv_offset(pages, pos, p.page_size, p.page_shift, p.k_stride_page,
-                                       p.k_stride_tok);
-      prefetch_l2(src, D * sizeof(T));
-    }
-  };
-
-  // Prologue: tiles 0 .. STAGES-2 in flight (one commit group per tile, empty past the end).
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
-    cp_async_commit();
-  }
-  if (p.prefetch_tiles > 0) {
-    for (int t = STAGES - 1; t < STAGES - 1 + p.prefetch_tiles && t < num_tiles; ++t)
-      prefetch_tile(t);
-  }
-
-  // q fragments of this warp's row block, straight from global memory (zero past num_rows).
   const int qc = 2 * (lane % 4);
-  const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
-  uint32_t qa[kKC][4];
-  {
-    const T* q0 = nullptr;
-    const T* q1 = nullptr;
-    if (r0 < num_rows)
-      q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r0 / g] * p.q_stride_t +
-           (kv_head * g + r0 % g) * p.q_stride_h + qc;
-    if (r1 < num_rows)
-      q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r1 / g] * p.q_stride_t +
-           (kv_head * g + r1 % g) * p.q_stride_h + qc;
-#pragma unroll
-    for (int kc = 0; kc < kKC; ++kc) {
-      qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
-      qa[kc][1] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16) : 0u;
-      qa[kc][2] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16 + 8) : 0u;
-      qa[kc][3] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16 + 8) : 0u;
-    }
-  }
-
-  const bool active = rb * 16 < num_rows;  // warp-uniform
-  const int lim0 = r0 < num_rows ? min(p.q_limit[slot0 + r0 / g] - kv_start, kv_len) : 0;
-  const int lim1 = r1 < num_rows ? min(p.q_limit[slot0 + r1 / g] - kv_start, kv_len) : 0;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float o[kDB][4];
-#pragma unroll
-  for (int i = 0; i < kDB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   const int key0 = ks * kKeys;  // this warp's first key within a tile
-  // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
-  // skipped (short items in a key split, causal extends).
-  const int warp_lim = __reduce_max_sync(0xffffffffu, max(lim0, lim1));
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile `tile` landed for everyone; stage (tile - 1) % STAGES is free
-    {
-      const int next = tile + STAGES - 1;
-      if (next < num_tiles) load_tile(next, next % STAGES);
-      cp_async_commit();
-      if (p.prefetch_tiles > 0 && next + p.prefetch_tiles < num_tiles)
-        prefetch_tile(next + p.prefetch_tiles);
+  // ---- loads: one commit group per tile of the stream (empty once the stream ends)
+  PairCursor<T> ld;
+  ld.open(p, range, blockIdx.x);
+  int ld_tile = 0, ld_stage = 0;
+  bool ld_done = false;
+  auto issue_next = [&]() {
+    if (!ld_done) {
+      const int ch = tid % kChunks;  // kThreadsM is a multiple of kChunks
+#pragma unroll
+      for (int t = tid / kChunks; t < kTileN; t += kThreadsM / kChunks) {
+        int pos = ld_tile * kTileN + t;
+        bool valid = pos < ld.kv_len;
+        int64_t ko = 0, vo = 0;
+        if (valid) {
+          ko = kv_offset(ld.pages, pos, p.page_size, p.page_shift, p.k_stride_page,
+                         p.k_stride_tok);
+          vo = kv_offset(ld.pages, pos, p.page_size, p.page_shift, p.v_stride_page,
+                         p.v_stride_tok);
+        }
+        cp_async_16(k_stage(ld_stage) + t * kRow + ch * 8, ld.k_base + ko + ch * 8, valid);
+        cp_async_16(v_stage(ld_stage) + t * kRow + ch * 8, ld.v_base + vo + ch * 8, valid);
+      }
+      if (p.prefetch_tiles > 0) {
+        // One K or V row (D * 2 bytes) per thread, prefetch_tiles tiles ahead in this pair.
+        const int pt = ld_tile + p.prefetch_tiles;
+        for (int r = tid; r < 2 * kTileN; r += kThreadsM) {
+          int pos = pt * kTileN + (r >> 1);
+          if (pos >= ld.kv_len) break;
+          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.v_stride_page, p.v_stride_tok)
+                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.k_stride_page, p.k_stride_tok);
+          prefetch_l2(src, D * sizeof(T));
+        }
+      }
+      if (++ld_tile == ld.num_tiles) {
+        ld_tile = 0;
+        const int nw = ld.w + gridDim.x;
+        if (nw < range.total)
+          ld.open(p, range, nw);
+        else
+          ld_done = true;
+      }
     }
-    const int stage = tile % STAGES;
-    const int base = tile * kTileN + key0;
-    // Skip warps whose keys are all past every bound of their rows (short or causal items).
-    if (active && base < warp_lim) {
-      const T* kt = k_s + (stage * kTileN + key0) * kRow;
-      const T* vt = v_s + (stage * kTileN + key0) * kRow;
-      float s[kNB][4];
+    cp_async_commit();
+    ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
+  };
 #pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-      // ldmatrix.x4 (K): lane l addresses key (l & 7) + 8 * (l >> 4) of a 16-key pair of
-      // blocks, dims +8 * ((l >> 3) & 1): results are b0, b1 of key block 2j and 2j + 1.
-      const T* krow = kt + ((lane & 7) + ((lane >> 4) << 3)) * kRow + (((lane >> 3) & 1) << 3);
+  for (int s = 0; s < STAGES - 1; ++s) issue_next();
+
+  // ---- math
+  uint32_t qa[kKC][4];
+  uint32_t qa_next[kPrefetchQ ? kKC : 1][4];
+  {
+    const int item = range.item(blockIdx.x);
+    load_q_frags<T, kKC>(p, item, range.head(blockIdx.x), rb, qa);
+  }
+  int stage = 0;
+  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
+    const int item = range.item(w), kv_head = range.head(w);
+    if constexpr (kPrefetchQ) {
+      if (w != static_cast<int>(blockIdx.x)) {
 #pragma unroll
-      for (int kc = 0; kc < kKC; ++kc) {
+        for (int kc = 0; kc < kKC; ++kc)
 #pragma unroll
-        for (int nb = 0; nb < kNB; nb += 2) {
-          uint32_t b[4];
-          ldmatrix_x4(b, krow + nb * 8 * kRow + kc * 16);
-          mma16816<T>(s[nb], qa[kc], b[0], b[1]);
-          mma16816<T>(s[nb + 1], qa[kc], b[2], b[3]);
+          for (int e = 0; e < 4; ++e) qa[kc][e] = qa_next[kc][e];
+      }
+      const int nw = w + gridDim.x;
+      if (nw < range.total) load_q_frags<T, kKC>(p, range.item(nw), range.head(nw), rb, qa_next);
+    } else if (w != static_cast<int>(blockIdx.x)) {
+      load_q_frags<T, kKC>(p, item, kv_head, rb, qa);
+    }
+    const int slot0 = p.q_indptr[item];
+    const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
+    const int kv_len = p.kv_len[item];
+    const int kv_start = p.kv_start[item];
+    const int num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
+    const bool active = rb * 16 < num_rows;  // warp-uniform
+    const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
+    const int lim0 = r0 < num_rows ? min(p.q_limit[slot0 + r0 / g] - kv_start, kv_len) : 0;
+    const int lim1 = r1 < num_rows ? min(p.q_limit[slot0 + r1 / g] - kv_start, kv_len) : 0;
+    // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
+    // skipped (short items in a key split, causal extends).
+    const int warp_lim = __reduce_max_sync(0xffffffffu, max(lim0, lim1));
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float o[kDB][4];
+#pragma unroll
+    for (int i = 0; i < kDB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // this tile landed for everyone; the previous stage is free
+      issue_next();
+      const int base = tile * kTileN + key0;
+      if (active && base < warp_lim) {
+        const T* kt = k_stage(stage) + key0 * kRow;
+        const T* vt = v_stage(stage) + key0 * kRow;
+        float s[kNB][4];
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+        // ldmatrix.x4 (K): lane l addresses key (l & 7) + 8 * (l >> 4) of a 16-key pair of
+        // blocks, dims +8 * ((l >> 3) & 1): results are b0, b1 of key block 2j and 2j + 1.
+        const T* krow = kt + ((lane & 7) + ((lane >> 4) << 3)) * kRow + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int kc = 0; kc < kKC; ++kc) {
+#pragma unroll
+          for (int nb = 0; nb < kNB; nb += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, krow + nb * 8 * kRow + kc * 16);
+            mma16816<T>(s[nb], qa[kc], b[0], b[1]);
+            mma16816<T>(s[nb + 1], qa[kc], b[2], b[3]);
+          }
+        }
+        const int b0 = lim0 - base, b1 = lim1 - base;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            int key = nb * 8 + qc + e;
+            s[nb][e] = key < b0 ? s[nb][e] * p.scale_log2 : -INFINITY;
+            s[nb][2 + e] = key < b1 ? s[nb][2 + e] * p.scale_log2 : -INFINITY;
+            mx0 = fmaxf(mx0, s[nb][e]);
+            mx1 = fmaxf(mx1, s[nb][2 + e]);
+          }
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0);
+        const float al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            s[nb][e] = n0 == -INFINITY ? 0.f : exp2f(s[nb][e] - n0);
+            s[nb][2 + e] = n1 == -INFINITY ? 0.f : exp2f(s[nb][2 + e] - n1);
+            l0 += s[nb][e];
+            l1 += s[nb][2 + e];
+          }
+        }
+#pragma unroll
+        for (int db = 0; db < kDB; ++db) {
+          o[db][0] *= al0;
+          o[db][1] *= al0;
+          o[db][2] *= al1;
+          o[db][3] *= al1;
+        }
+#pragma unroll
+        for (int kc = 0; kc < kKeys / 16; ++kc) {
+          uint32_t a[4];
+          a[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);
+          a[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);
+          a[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+          a[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+          // ldmatrix.x4.trans (V): lane l addresses row l % 8 of 8x8 matrix l / 8 = (keys
+          // +8 * (i & 1), dims +8 * (i >> 1)); the results are b0, b1 of two dim blocks.
+          const T* vrow = vt + (kc * 16 + (lane & 8) + (lane & 7)) * kRow + ((lane >> 4) << 3);
+#pragma unroll
+          for (int db = 0; db < kDB; db += 2) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vrow + db * 8);
+            mma16816<T>(o[db], a, b[0], b[1]);
+            mma16816<T>(o[db + 1], a, b[2], b[3]);
+          }
         }
       }
-      const int b0 = lim0 - base, b1 = lim1 - base;
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+      if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+
+    bool writer = active;
+    if constexpr (KS > 1) {
+      // Combine the KS softmax states of each row block through the stage just computed (no
+      // copy targets it until the next tile's barrier). Lanes hold the same fragment positions
+      // in every warp, so lane l of the first warp reads lane l of the others.
+      constexpr int kVals = kDB * 4 + 4;
+      float* red = reinterpret_cast<float*>(k_stage(stage));  // [WARPS][kVals][32]
+      __syncthreads();  // every warp is done with this stage
+      if (active && ks != 0) {
+        float* mine = red + warp * kVals * 32 + lane;
 #pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) {
+        for (int db = 0; db < kDB; ++db)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          int key = nb * 8 + qc + e;
-          s[nb][e] = key < b0 ? s[nb][e] * p.scale_log2 : -INFINITY;
-          s[nb][2 + e] = key < b1 ? s[nb][2 + e] * p.scale_log2 : -INFINITY;
-          mx0 = fmaxf(mx0, s[nb][e]);
-          mx1 = fmaxf(mx1, s[nb][2 + e]);
+          for (int e = 0; e < 4; ++e) mine[(db * 4 + e) * 32] = o[db][e];
+        mine[(kDB * 4 + 0) * 32] = m0;
+        mine[(kDB * 4 + 1) * 32] = m1;
+        mine[(kDB * 4 + 2) * 32] = l0;
+        mine[(kDB * 4 + 3) * 32] = l1;
+      }
+      __syncthreads();
+      writer = active && ks == 0;
+      if (writer) {
+#pragma unroll
+        for (int j = 1; j < KS; ++j) {
+          const float* other = red + (warp + j) * kVals * 32 + lane;
+          const float om0 = other[(kDB * 4 + 0) * 32], om1 = other[(kDB * 4 + 1) * 32];
+          const float n0 = fmaxf(m0, om0), n1 = fmaxf(m1, om1);
+          // Weights of the two states (a state that saw no visible key has m = -inf, l = 0).
+          const float wa0 = m0 == -INFINITY ? 0.f : exp2f(m0 - n0);
+          const float wb0 = om0 == -INFINITY ? 0.f : exp2f(om0 - n0);
+          const float wa1 = m1 == -INFINITY ? 0.f : exp2f(m1 - n1);
+          const float wb1 = om1 == -INFINITY ? 0.f : exp2f(om1 - n1);
+          l0 = l0 * wa0 + other[(kDB * 4 + 2) * 32] * wb0;
+          l1 = l1 * wa1 + other[(kDB * 4 + 3) * 32] * wb1;
+          m0 = n0;
+          m1 = n1;
+#pragma unroll
+          for (int db = 0; db < kDB; ++db) {
+            o[db][0] = o[db][0] * wa0 + other[(db * 4 + 0) * 32] * wb0;
+            o[db][1] = o[db][1] * wa0 + other[(db * 4 + 1) * 32] * wb0;
+            o[db][2] = o[db][2] * wa1 + other[(db * 4 + 2) * 32] * wb1;
+            o[db][3] = o[db][3] * wa1 + other[(db * 4 + 3) * 32] * wb1;
+          }
         }
       }
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+
+    if (writer) {
 #pragma unroll
       for (int off = 1; off <= 2; off <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-      }
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0);
-      const float al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
-      m0 = n0;
-      m1 = n1;
-      l0 *= al0;
-      l1 *= al1;
-#pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[nb][e] = n0 == -INFINITY ? 0.f : exp2f(s[nb][e] - n0);
-          s[nb][2 + e] = n1 == -INFINITY ? 0.f : exp2f(s[nb][2 + e] - n1);
-          l0 += s[nb][e];
-          l1 += s[nb][2 + e];
-        }
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
       }
 #pragma unroll
-      for (int db = 0; db < kDB; ++db) {
-        o[db][0] *= al0;
-        o[db][1] *= al0;
-        o[db][2] *= al1;
-        o[db][3] *= al1;
-      }
+      for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0;
+        if (r >= num_rows) continue;
+        const float l = h ? l1 : l0, m = h ? m1 : m0;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int slot = slot0 + r / g;
+        const int head = kv_head * g + r % g;
+        const int dst = p.q_out[slot];
+        if (dst < 0) {
+          T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
 #pragma unroll
-      for (int kc = 0; kc < kKeys / 16; ++kc) {
-        uint32_t a[4];
-        a[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);
-        a[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);
-        a[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        a[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-        // ldmatrix.x4.trans (V): lane l addresses row l % 8 of 8x8 matrix l / 8 = (keys
-        // +8 * (i & 1), dims +8 * (i >> 1)); the results are b0, b1 of two dim blocks.
-        const T* vrow = vt + (kc * 16 + (lane & 8) + (lane & 7)) * kRow + ((lane >> 4) << 3);
+          for (int db = 0; db < kDB; ++db)
+            *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
+                pack2<T>(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
+        } else {
+          float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
 #pragma unroll
-        for (int db = 0; db < kDB; db += 2) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, vrow + db * 8);
-          mma16816<T>(o[db], a, b[0], b[1]);
-          mma16816<T>(o[db + 1], a, b[2], b[3]);
+          for (int db = 0; db < kDB; ++db)
+            *reinterpret_cast<float2*>(out + db * 8 + qc) =
+                make_float2(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
+          if (lane % 4 == 0)
+            p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+                l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
         }
       }
     }
   }
-
-  if constexpr (KS > 1) {
-    // Combine the KS softmax states of each row block; lanes hold the same fragment positions
-    // in every warp, so lane l of the first warp reads lane l of the others.
-    constexpr int kVals = kDB * 4 + 4;
-    float* red = reinterpret_cast<float*>(smem_raw);  // [WARPS][kVals][32]
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the KV stages
-    if (active && ks != 0) {
-      float* mine = red + warp * kVals * 32 + lane;
-#pragma unroll
-      for (int db = 0; db < kDB; ++db)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(db * 4 + e) * 32] = o[db][e];
-      mine[(kDB * 4 + 0) * 32] = m0;
-      mine[(kDB * 4 + 1) * 32] = m1;
-      mine[(kDB * 4 + 2) * 32] = l0;
-      mine[(kDB * 4 + 3) * 32] = l1;
-    }
-    __syncthreads();
-    if (!active || ks != 0) return;
-#pragma unroll
-    for (int j = 1; j < KS; ++j) {
-      const float* other = red + (warp + j) * kVals * 32 + lane;
-      const float om0 = other[(kDB * 4 + 0) * 32], om1 = other[(kDB * 4 + 1) * 32];
-      const float n0 = fmaxf(m0, om0), n1 = fmaxf(m1, om1);
-      // Weights of the two states (a state that saw no visible key has m = -inf, l = 0).
-      const float wa0 = m0 == -INFINITY ? 0.f : exp2f(m0 - n0);
-      const float wb0 = om0 == -INFINITY ? 0.f : exp2f(om0 - n0);
-      const float wa1 = m1 == -INFINITY ? 0.f : exp2f(m1 - n1);
-      const float wb1 = om1 == -INFINITY ? 0.f : exp2f(om1 - n1);
-      l0 = l0 * wa0 + other[(kDB * 4 + 2) * 32] * wb0;
-      l1 = l1 * wa1 + other[(kDB * 4 + 3) * 32] * wb1;
-      m0 = n0;
-      m1 = n1;
-#pragma unroll
-      for (int db = 0; db < kDB; ++db) {
-        o[db][0] = o[db][0] * wa0 + other[(db * 4 + 0) * 32] * wb0;
-        o[db][1] = o[db][1] * wa0 + other[(db * 4 + 1) * 32] * wb0;
-        o[db][2] = o[db][2] * wa1 + other[(db * 4 + 2) * 32] * wb1;
-        o[db][3] = o[db][3] * wa1 + other[(db * 4 + 3) * 32] * wb1;
-      }
-    }
-  } else {
-    cp_async_wait<0>();
-    if (!active) return;
-  }
-
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = h ? r1 : r0;
-    if (r >= num_rows) continue;
-    const float l = h ? l1 : l0, m = h ? m1 : m0;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int slot = slot0 + r / g;
-    const int head = kv_head * g + r % g;
-    const int dst = p.q_out[slot];
-    if (dst < 0) {
-      T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
-#pragma unroll
-      for (int db = 0; db < kDB; ++db)
-        *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
-            pack2<T>(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
-    } else {
-      float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
-#pragma unroll
-      for (int db = 0; db < kDB; ++db)
-        *reinterpret_cast<float2*>(out + db * 8 + qc) =
-            make_float2(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
-      if (lane % 4 == 0)
-        p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
-            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
-    }
-  }
-}
-
-template <typename T, int D, int WARPS, int KS, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const detail::WorkRange range(p);
-  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
-    forward_mma_item<T, D, WARPS, KS, STAGES>(p, range.item(w), range.head(w), smem_raw);
-    __syncthreads();  // shared memory is reused by the next pair
-  }
+  cp_async_wait<0>();
 }
 
 }  // namespace prefixattn

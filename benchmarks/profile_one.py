@@ -1,0 +1,39 @@
+"""Run one PAT tree through the CUDA kernels a few times, for a profiler to watch.
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
+        python benchmarks/profile_one.py --tree 1,1024_2048,32 --heads 32,8
+"""
+
+import argparse
+import math
+
+import torch
+
+import prefixattn
+from prefixattn import _ops
+from prefixattn.workloads import tree_batch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tree", default="1,1024_2048,32")
+ap.add_argument("--heads", default="32,8")
+ap.add_argument("--page-size", type=int, default=16)
+ap.add_argument("--head-dim", type=int, default=128)
+ap.add_argument("--packing", default="memory")
+ap.add_argument("--no-split", action="store_true")
+ap.add_argument("--iters", type=int, default=3)
+args = ap.parse_args()
+hq, hkv = map(int, args.heads.split(","))
+d, ps = args.head_dim, args.page_size
+table, lens = tree_batch(args.tree, ps, seed=0)
+num_pages = int(table.max()) + 1
+k = torch.randn(num_pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+v = torch.randn_like(k)
+q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+out = torch.empty_like(q)
+pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=torch.bfloat16)
+plan = pa.plan(table, lens, packing=args.packing, split_kv=not args.no_split)
+print(plan.summary())
+ws = _ops.Workspace("cuda")
+for _ in range(args.iters):
+    _ops.run_plan_cuda(plan, q, k, v, out, 1 / math.sqrt(d), ws)
+torch.cuda.synchronize()
