@@ -489,14 +489,30 @@ struct PairCursor {
   }
 };
 
+// The pair's query slots and KV run.
+struct PairDesc {
+  int item, kv_head, slot0, num_rows, kv_len, kv_start;
+  __device__ __forceinline__ void load(const ForwardParams& p, const WorkRange& range, int w) {
+    item = range.item(w);
+    kv_head = range.head(w);
+    slot0 = p.q_indptr[item];
+    num_rows = (p.q_indptr[item + 1] - slot0) * p.group_size;
+    kv_len = p.kv_len[item];
+    kv_start = p.kv_start[item];
+  }
+};
+
+// Causal bound (keys visible, relative to the item) of row r, 0 past the item's rows.
+__device__ __forceinline__ int row_limit(const ForwardParams& p, const PairDesc& d, int r) {
+  return r < d.num_rows ? min(p.q_limit[d.slot0 + r / p.group_size] - d.kv_start, d.kv_len) : 0;
+}
+
 // q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8), zero past the
 // item's rows.
 template <typename T, int kKC>
-__device__ __forceinline__ void load_q_frags(const ForwardParams& p, int item, int kv_head, int rb,
-                                             uint32_t (&qa)[kKC][4]) {
+__device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, int num_rows,
+                                             int kv_head, int rb, uint32_t (&qa)[kKC][4]) {
   const int lane = threadIdx.x & 31, g = p.group_size;
-  const int slot0 = p.q_indptr[item];
-  const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
   const T* q0 = nullptr;
   const T* q1 = nullptr;
@@ -546,25 +562,36 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   const int qc = 2 * (lane % 4);
   const int key0 = ks * kKeys;  // this warp's first key within a tile
 
-  // ---- loads: one commit group per tile of the stream (empty once the stream ends)
+  // ---- loads: one commit group per tile of the stream (empty once the stream ends). The
+  // page ids of the next tile to copy are fetched one copy ahead, so the copies never wait
+  // on them.
+  constexpr int kLdStep = kThreadsM / kChunks;  // rows per pass; a thread keeps its column
+  constexpr int kLdRows = kTileN / kLdStep;     // rows per thread per tile
   PairCursor<T> ld;
   ld.open(p, range, blockIdx.x);
   int ld_tile = 0, ld_stage = 0;
   bool ld_done = false;
+  int pg[kLdRows];
+  auto fetch_pages = [&]() {
+#pragma unroll
+    for (int i = 0; i < kLdRows; ++i) {
+      const int pos = ld_tile * kTileN + tid / kChunks + i * kLdStep;
+      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
+    }
+  };
+  fetch_pages();
   auto issue_next = [&]() {
     if (!ld_done) {
-      const int ch = tid % kChunks;  // kThreadsM is a multiple of kChunks
+      const int ch = tid % kChunks;
 #pragma unroll
-      for (int t = tid / kChunks; t < kTileN; t += kThreadsM / kChunks) {
-        int pos = ld_tile * kTileN + t;
-        bool valid = pos < ld.kv_len;
-        int64_t ko = 0, vo = 0;
-        if (valid) {
-          ko = kv_offset(ld.pages, pos, p.page_size, p.page_shift, p.k_stride_page,
-                         p.k_stride_tok);
-          vo = kv_offset(ld.pages, pos, p.page_size, p.page_shift, p.v_stride_page,
-                         p.v_stride_tok);
-        }
+      for (int i = 0; i < kLdRows; ++i) {
+        const int t = tid / kChunks + i * kLdStep;
+        const int pos = ld_tile * kTileN + t;
+        const bool valid = pos < ld.kv_len;
+        const int slot = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
+        const int64_t ko = valid ? pg[i] * p.k_stride_page + slot * p.k_stride_tok : 0;
+        const int64_t vo = valid ? pg[i] * p.v_stride_page + slot * p.v_stride_tok : 0;
         cp_async_16(k_stage(ld_stage) + t * kRow + ch * 8, ld.k_base + ko + ch * 8, valid);
         cp_async_16(v_stage(ld_stage) + t * kRow + ch * 8, ld.v_base + vo + ch * 8, valid);
       }
@@ -589,6 +616,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         else
           ld_done = true;
       }
+      if (!ld_done) fetch_pages();
     }
     cp_async_commit();
     ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
@@ -596,37 +624,37 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
-  // ---- math
+  // ---- math. The next pair's descriptor is fetched when a pair starts, its causal bounds
+  // (and, with 4 warps, its q fragments) when the pair's tiles are done.
+  const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
+  PairDesc cur, nxt;
+  cur.load(p, range, blockIdx.x);
   uint32_t qa[kKC][4];
   uint32_t qa_next[kPrefetchQ ? kKC : 1][4];
-  {
-    const int item = range.item(blockIdx.x);
-    load_q_frags<T, kKC>(p, item, range.head(blockIdx.x), rb, qa);
-  }
+  load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
+  int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
+  int nlim0 = 0, nlim1 = 0;
   int stage = 0;
   for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
-    const int item = range.item(w), kv_head = range.head(w);
-    if constexpr (kPrefetchQ) {
-      if (w != static_cast<int>(blockIdx.x)) {
+    if (w != static_cast<int>(blockIdx.x)) {
+      cur = nxt;
+      lim0 = nlim0;
+      lim1 = nlim1;
+      if constexpr (kPrefetchQ) {
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
 #pragma unroll
           for (int e = 0; e < 4; ++e) qa[kc][e] = qa_next[kc][e];
+      } else {
+        load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
       }
-      const int nw = w + gridDim.x;
-      if (nw < range.total) load_q_frags<T, kKC>(p, range.item(nw), range.head(nw), rb, qa_next);
-    } else if (w != static_cast<int>(blockIdx.x)) {
-      load_q_frags<T, kKC>(p, item, kv_head, rb, qa);
     }
-    const int slot0 = p.q_indptr[item];
-    const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
-    const int kv_len = p.kv_len[item];
-    const int kv_start = p.kv_start[item];
-    const int num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
+    const int nw = w + gridDim.x;
+    const bool has_next = nw < range.total;
+    if (has_next) nxt.load(p, range, nw);
+    const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
+    const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool active = rb * 16 < num_rows;  // warp-uniform
-    const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
-    const int lim0 = r0 < num_rows ? min(p.q_limit[slot0 + r0 / g] - kv_start, kv_len) : 0;
-    const int lim1 = r1 < num_rows ? min(p.q_limit[slot0 + r1 / g] - kv_start, kv_len) : 0;
     // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
     // skipped (short items in a key split, causal extends).
     const int warp_lim = __reduce_max_sync(0xffffffffu, max(lim0, lim1));
@@ -721,6 +749,12 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         }
       }
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    if (has_next) {
+      nlim0 = row_limit(p, nxt, r0);
+      nlim1 = row_limit(p, nxt, r1);
+      if constexpr (kPrefetchQ)
+        load_q_frags<T, kKC>(p, nxt.slot0, nxt.num_rows, nxt.kv_head, rb, qa_next);
     }
 
     bool writer = active;
