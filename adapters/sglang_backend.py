@@ -16,8 +16,11 @@ Worked example, page_size 4, two requests sharing their first 8 tokens::
 SGLang allocates whole pages per request, so a row's slots inside one page are consecutive
 and its first slot in each page is page-aligned.
 
-One plan per step: :meth:`PrefixAttnBackend.init_forward_metadata` builds it (host work, one
-device-to-host copy of the batch's rows) and every layer's ``forward_*`` reuses it.
+One plan per step (host work, one device-to-host copy of the batch's rows); every layer's
+``forward_*`` reuses it. Eager steps plan on :attr:`PrefixAttnBackend.core`; decode steps that
+SGLang runs as CUDA graphs plan on :attr:`PrefixAttnBackend.graph_core`, whose device buffers
+are reserved once for the largest captured batch, so an eager prefill never moves the
+buffers the captured kernels read.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
 from prefixattn import PrefixAttention
+from prefixattn import packer as _packer
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -56,6 +60,41 @@ def core_supports_cuda_graphs() -> bool:
     return cuda_ops_available()
 
 
+GRAPH_DEPTH_ALLOWANCE = 16
+"""Prefix levels per request that the CUDA-graph reservation allows for.
+
+A decode token joins one work item per forest node on its path (system prompt, template,
+document, conversation, ...); deeper trees are legal but a plan that then outgrows the
+reservation is refused (see :meth:`PrefixAttnBackend.init_forward_metadata_out_graph`).
+"""
+
+
+def graph_reservation(
+    max_bs: int, max_num_tokens: int, max_context_len: int, page_size: int
+) -> dict[str, int]:
+    """Plan sizes to reserve so that no decode batch of up to ``max_bs`` requests (one new
+    token each, KV length at most ``max_context_len``) outgrows the core's buffers.
+
+    Per token, the work items it joins split its KV into pieces: one per node on its path
+    (at most ``GRAPH_DEPTH_ALLOWANCE``) plus the long-KV split parts. A part is never shorter
+    than the core's split floor (``MIN_SPLIT_TOKENS``) nor than the mean node length, so a
+    token joins at most ``min(ceil(L / floor), 2 * B)`` extra parts (a batch of B requests has
+    at most 2B - 1 forest nodes). Every item holds at least one (item, token) slot. The page
+    ids of all items add up to at most one read per request of its own pages (the
+    query-centric total) plus one partial page per item.
+    """
+    floor = int(getattr(_packer, "MIN_SPLIT_TOKENS", 256))
+    parts = min(2 * max_bs, -(-max_context_len // floor)) + 1
+    slots = max_num_tokens * (GRAPH_DEPTH_ALLOWANCE + parts) + 1024
+    max_pages = -(-max_context_len // page_size) + 1
+    return {
+        "num_work_items": slots,
+        "num_pages": max_bs * max_pages + slots,
+        "num_slots": slots,
+        "num_tokens": max_num_tokens,
+    }
+
+
 @dataclass
 class ForwardMetadata:
     """What one step's layers share."""
@@ -64,6 +103,8 @@ class ForwardMetadata:
     """The step's launch plan (one for all layers)."""
     num_tokens: int
     """Query rows the plan covers; rows of q beyond it are padding."""
+    core: PrefixAttention
+    """The core that built the plan (it owns the plan's buffers and scratch)."""
 
 
 class PrefixAttnBackend(AttentionBackend):
@@ -100,33 +141,66 @@ class PrefixAttnBackend(AttentionBackend):
             device=self.device,
             dtype=self.dtype,
         )
+        self.graph_core: PrefixAttention | None = None
+        """Plans of the decode steps SGLang runs as CUDA graphs (created by
+        :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
+        self.graph_reserved: dict[str, int] | None = None
         self.forward_metadata: ForwardMetadata | None = None
         self._graph_generation: int | None = None
 
     # ------------------------------------------------------------------ metadata
-    def init_forward_metadata_out_graph(
-        self, forward_batch: ForwardBatch, in_capture: bool = False
-    ) -> None:
-        """Build the step's plan on the host (outside any graph; its arrays land in the
-        core's fixed device buffers when the core runs CUDA kernels)."""
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Eager steps (prefill, mixed, decode batches that run without a graph, the warm-up
+        forward, attention inside breakable prefill graphs): plan on :attr:`core`."""
         if forward_batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
-        plan = self.core.plan(block_table, seq_lens, qo_indptr)
-        if (
-            self._graph_generation is not None
-            and not in_capture
-            and self.core.buffers_generation != self._graph_generation
-        ):
+        self.forward_metadata = self._plan(self.core, forward_batch)
+
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
+        """Decode CUDA graphs: SGLang calls this outside the graph, before capturing each
+        batch size (``in_capture=True``, a batch of padding rows) and before every replay
+        (a view of the padded batch: padding rows have ``req_pool_indices`` 0 and
+        ``seq_lens`` equal to :meth:`get_cuda_graph_seq_len_fill_value`).
+
+        The plan covers the padded batch, so it has exactly the captured number of query
+        rows, and lands in :attr:`graph_core`'s reserved device buffers, where the captured
+        kernels read it. A plan that would have moved those buffers is refused: the graphs
+        would read freed memory.
+        """
+        core = self.graph_core
+        if core is None:
             raise RuntimeError(
-                "prefixattn: a plan outgrew the buffers reserved for CUDA graphs; "
-                "restart with a larger reservation or with --disable-cuda-graph"
+                "prefixattn: init_forward_metadata_out_graph before init_cuda_graph_state"
             )
-        self.forward_metadata = ForwardMetadata(plan, plan.num_tokens)
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise NotImplementedError(
+                f"prefixattn: CUDA graphs that capture attention in {mode.name} batches are "
+                "not supported (decode graphs are; prefill graphs only with the default "
+                "'breakable' backend, which runs attention outside the graph)"
+            )
+        meta = self._plan(core, forward_batch)
+        if core.buffers_generation != self._graph_generation:
+            plan = meta.plan
+            raise RuntimeError(
+                "prefixattn: a decode plan outgrew the device buffers reserved for CUDA "
+                f"graphs (plan: {plan.num_work_items} work items, {len(plan.host.q_tokens)} "
+                f"slots, {len(plan.host.kv_pages)} pages, {plan.num_tokens} tokens; "
+                f"reserved: {self.graph_reserved}); restart with a smaller "
+                "--cuda-graph-max-bs-decode or with --disable-decode-cuda-graph"
+            )
+        self.forward_metadata = meta
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the plan's device arrays are written before replay."""
+
+    def _plan(self, core: PrefixAttention, forward_batch: ForwardBatch) -> ForwardMetadata:
+        block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
+        plan = core.plan(block_table, seq_lens, qo_indptr)
+        return ForwardMetadata(plan, plan.num_tokens, core)
 
     def _batch_tables(
         self, forward_batch: ForwardBatch
@@ -165,34 +239,39 @@ class PrefixAttnBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Reserve fixed device buffers for the plans that graphs will replay.
+        """Create :attr:`graph_core` and reserve its device buffers for the largest captured
+        decode batch (:func:`graph_reservation`).
 
-        The captured kernels read the plan from the core's buffers; each step's plan is
-        copied into them before replay, so they must keep their addresses: they are sized
-        here for the largest captured batch.
+        SGLang calls this once, before capturing; every captured batch size reads its plan
+        from the same buffers, which the step's plan is written into before each replay.
         """
-        if self.device.type != "cuda":
-            return
-        if not core_supports_cuda_graphs():
+        if self.device.type == "cuda" and not core_supports_cuda_graphs():
             raise RuntimeError(
                 "prefixattn: this installation's attention cannot be replayed from a CUDA graph "
                 "across steps (it needs the compiled CUDA kernels with plan-independent "
-                "launches); start SGLang with --disable-cuda-graph"
+                "launches); start SGLang with --disable-decode-cuda-graph (or "
+                "--disable-cuda-graph)"
             )
-        max_pages = self.req_to_token_pool.req_to_token.shape[1] // self.page_size + 1
-        # Decode: one query per request; a request yields at most one leaf item and its
-        # share of internal nodes (< one per request), each possibly split in parts.
-        max_items = 4 * max_bs + 256
-        self.core.reserve(
-            num_work_items=max_items,
-            num_pages=max_bs * max_pages,
-            num_slots=4 * max_num_tokens + 256,
-            num_tokens=max_num_tokens,
-        )
-        self._graph_generation = self.core.buffers_generation
+        if self.graph_core is None:
+            self.graph_core = PrefixAttention(
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                kv_layout="NHD",
+                device=self.device,
+                dtype=self.dtype,
+            )
+        max_context = int(self.req_to_token_pool.req_to_token.shape[1])
+        self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
+        self.graph_core.reserve(**self.graph_reserved)
+        self._graph_generation = self.graph_core.buffers_generation
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        """Padded requests attend to one slot (req_to_token row 0, slot 0): a valid plan."""
+        """Padding rows get KV length 1: SGLang points them at ``req_to_token`` row 0 (its
+        padding row, all zeros) and writes their K/V to slot 0 (never allocated to a
+        request), so each attends to slot 0 only. That is a valid one-token plan entry, it
+        shares no page with real requests, and its output is discarded."""
         return 1
 
     # ------------------------------------------------------------------ forward
@@ -249,7 +328,7 @@ class PrefixAttnBackend(AttentionBackend):
         shape = (-1, self.page_size, layer.tp_k_head_num, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
-        self.core.run(q3[:n], k_cache, v_cache, scale=layer.scaling, out=out3[:n], plan=meta.plan)
+        meta.core.run(q3[:n], k_cache, v_cache, scale=layer.scaling, out=out3[:n], plan=meta.plan)
         return out
 
     def _check_layer(self, layer: RadixAttention) -> None:

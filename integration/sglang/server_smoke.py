@@ -1,11 +1,12 @@
 """``python -m sglang.launch_server --attention-backend prefixattn`` answers an HTTP request.
 
 Starts the server on localhost with the given model folder (e.g. the one engine_check.py
-writes; ``--save-model DIR`` writes a fresh tiny random Llama there), waits for /health
-(bounded), sends one /generate request with token ids, prints the answer, then stops the
-server's process group.
+writes; ``--save-model DIR`` writes a fresh tiny random Llama there) and SGLang's default
+settings (CUDA graphs on) plus ``--extra`` flags, waits for /health (bounded), sends one
+/generate request with token ids, prints the answer, then stops the server's process group.
 
-    python integration/sglang/server_smoke.py --save-model /tmp/tiny --timeout 240
+    python integration/sglang/server_smoke.py --save-model /tmp/tiny --timeout 240 \
+        [--extra --disable-cuda-graph]
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def main() -> int:
     ap.add_argument("--save-model", default=None)
     ap.add_argument("--port", type=int, default=31234)
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--extra", nargs="*", default=["--disable-cuda-graph"])
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more server flags")
     args = ap.parse_args()
+    # On SIGTERM (e.g. from `timeout`) unwind, so the engines' process groups get killed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = args.model
     if args.save_model:
         sys.path.insert(0, os.path.dirname(__file__))

@@ -260,20 +260,3 @@ def test_refuses_sliding_window():
     )
     with pytest.raises(NotImplementedError, match="sliding window"):
         backend._check_layer(layer)
-
-
-def test_cuda_graph_fill_value_is_one():
-    backend = PrefixAttnBackend(_runner(1, 4, 2, 64, max_reqs=2))
-    assert backend.get_cuda_graph_seq_len_fill_value() == 1
-    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)  # CPU: nothing to reserve
-
-
-def test_cuda_graphs_need_a_graph_safe_core(monkeypatch):
-    from prefixattn.adapters import sglang_backend
-
-    assert not sglang_backend.core_supports_cuda_graphs() or torch.cuda.is_available()
-    backend = PrefixAttnBackend(_runner(1, 4, 2, 64, max_reqs=2))
-    backend.device = torch.device("cuda")  # the check runs before any CUDA allocation
-    monkeypatch.setattr(sglang_backend, "core_supports_cuda_graphs", lambda: False)
-    with pytest.raises(RuntimeError, match="--disable-cuda-graph"):
-        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
