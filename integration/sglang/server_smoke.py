@@ -69,9 +69,11 @@ def main() -> int:
         print("answer:", json.dumps(answer)[:400], flush=True)
         return 0 if len(answer.get("output_ids", [])) == 8 else 1
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass  # the server already exited
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
 
