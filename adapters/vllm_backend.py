@@ -20,18 +20,31 @@ first and V in the second half of the last dimension, stored block-major with to
 heads (stride order ``(0, 2, 1, 3)``), i.e. in memory ``[num_blocks, block_size, num_kv_heads,
 2 * head_size]``. The K and V halves are NHD views with a contiguous last dimension, which the
 core reads in place.
+
+CUDA graphs: with the compiled CUDA kernels loaded and a core that declares
+``PrefixAttention.cuda_graph_safe``, the builder reports ``AttentionCGSupport.UNIFORM_BATCH``
+(vLLM's default ``FULL_AND_PIECEWISE`` mode then captures full graphs for uniform decode
+batches, including speculative verification, and piecewise graphs for the rest); otherwise
+``NEVER``. A captured ``PrefixAttention.run`` reads every size from the plan's device buffers,
+so each replay executes the plan that the step's ``build`` wrote into the same buffers. See
+:class:`PrefixAttentionMetadataBuilder` for the reservation, the padding and the stale-buffer
+check.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
+    AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -39,6 +52,7 @@ from vllm.v1.attention.backend import (
 )
 
 from prefixattn import PrefixAttention
+from prefixattn import packer as _packer
 from prefixattn.api import MAX_PAGE_SIZE
 from prefixattn.plan import LaunchPlan
 from prefixattn.tiles import SUPPORTED_HEAD_DIMS
@@ -117,40 +131,167 @@ class PrefixAttentionBackend(AttentionBackend):
         return None
 
 
+NULL_BLOCK = 0
+"""vLLM's null block (``NULL_BLOCK_ID``): never given to a request, always a valid page id.
+Padding tokens of a full-graph batch attend to its first slot."""
+
+SLOTS_PER_TOKEN_ENV = "PREFIXATTN_VLLM_GRAPH_SLOTS_PER_TOKEN"
+"""Environment variable: (work item, token) slots reserved per captured token, overriding
+:func:`graph_slots_per_token`."""
+
+GRAPH_DEPTH_ALLOWANCE = 16
+"""Prefix levels per request that the CUDA-graph reservation allows for (system prompt,
+template, document, conversation turns, ...)."""
+
+
+def graph_slots_per_token(max_context_len: int, max_reqs: int) -> int:
+    """(work item, token) slots one decode token of a graph batch can take.
+
+    The work items a token joins cut its KV into pieces: one per forest node on its path (up
+    to ``GRAPH_DEPTH_ALLOWANCE``) plus the long-KV split parts. A split part is never shorter
+    than the packer's floor (``MIN_SPLIT_TOKENS``), so a token joins at most
+    ``min(ceil(L / floor), 2 * B)`` extra parts (B requests make at most 2B - 1 forest nodes).
+    """
+    floor = int(getattr(_packer, "MIN_SPLIT_TOKENS", 256))
+    parts = min(2 * max_reqs, -(-max_context_len // floor)) + 1
+    return GRAPH_DEPTH_ALLOWANCE + parts
+
+
+def cuda_graphs_available() -> bool:
+    """True when :meth:`PrefixAttention.run` may be captured in a CUDA graph here.
+
+    Both must hold: the core declares ``PrefixAttention.cuda_graph_safe`` (fixed-size launches
+    that read every size from the plan's device buffers while capturing) and the compiled CUDA
+    kernels are loaded (the PyTorch reference path is host-driven and cannot be captured).
+    """
+    if not getattr(PrefixAttention, "cuda_graph_safe", False):
+        return False
+    from prefixattn import _ops
+
+    try:
+        return bool(_ops.cuda_ops_available())
+    except (OSError, RuntimeError):
+        return False
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Is ``t``'s device stream being captured into a CUDA graph right now?"""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _remedy(slots_per_token: int) -> str:
+    return (
+        f"Reserve more (environment variable {SLOTS_PER_TOKEN_ENV}, now {slots_per_token}) "
+        "or run without full CUDA graphs: enforce_eager=True, or "
+        "compilation_config={'cudagraph_mode': 'PIECEWISE'}."
+    )
+
+
+class _GraphState:
+    """What the captured graphs of one builder depend on: the plan buffers' generation."""
+
+    def __init__(self, slots_per_token: int) -> None:
+        self.slots_per_token = slots_per_token
+        self.captured_generation: int | None = None
+        """``buffers_generation`` when the graphs were captured; None before any capture."""
+
+    def note_capture(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is None:
+            self.captured_generation = gen
+        elif gen != self.captured_generation:
+            raise RuntimeError(
+                "prefixattn: the plan buffers grew between two CUDA graph captures "
+                f"(generation {self.captured_generation} -> {gen}), so the graphs captured "
+                f"first are stale. {_remedy(self.slots_per_token)}"
+            )
+
+    def check(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is not None and gen != self.captured_generation:
+            plan = attention.last_plan
+            size = (
+                ""
+                if plan is None
+                else f" ({plan.num_tokens} tokens, {plan.num_work_items} work items, "
+                f"{len(plan.q_tokens)} query slots, {len(plan.kv_pages)} pages)"
+            )
+            raise RuntimeError(
+                f"prefixattn: this step's plan{size} outgrew the buffers reserved for the "
+                f"captured CUDA graphs (buffers generation {self.captured_generation} -> "
+                f"{gen}); replaying them would read freed buffers. {_remedy(self.slots_per_token)}"
+            )
+
+
 @dataclass
-class PrefixAttentionMetadata:
+class PrefixAttentionMetadata(AttentionMetadata):
     """The step's attention metadata, built once and read by every layer."""
 
     attention: PrefixAttention
     """The object that built ``plan`` (owns its device buffers)."""
     plan: LaunchPlan
-    """The step's launch plan: rows ``0:num_tokens`` of the query."""
+    """The step's launch plan: rows ``0:plan.num_tokens`` of the query."""
     num_tokens: int
-    """Tokens with attention output this step (``query_start_loc[num_reqs]``)."""
+    """Rows of the query the plan covers: ``query_start_loc[num_reqs]``, or
+    ``num_actual_tokens`` for a batch planned for full CUDA graphs (padding included)."""
     num_actual_tokens: int
-    """vLLM's token count for the step (may include padding beyond ``num_tokens``)."""
+    """vLLM's token count for the step (may include padding beyond the real tokens)."""
     slot_mapping: torch.Tensor
     """int64 [num_actual_tokens]; cache slot (block_id * block_size + offset) of each new token,
     -1 for padding."""
+    graph: _GraphState | None = None
+    """Set when the plan lives in the buffers captured graphs read (graph-eligible batches)."""
 
 
 class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMetadata]):
     """Builds one plan per step from ``block_table_tensor``, ``seq_lens`` and ``query_start_loc``.
 
-    The plan is host work (prefix forest, packing, tile choice). ``query_start_loc_cpu`` is
-    vLLM's own host copy; the block table rows and ``seq_lens`` live only on the device in
-    ``CommonAttentionMetadata``, so building the plan copies ``num_reqs`` rows of the block table
-    (only the columns the longest sequence uses) and ``seq_lens`` to the host: one
-    device-to-host copy per step, not per layer.
+    The plan is host work (prefix forest, packing, tile choice). Its inputs on the host:
+    ``query_start_loc_cpu`` (vLLM's own host copy); ``seq_lens_cpu_upper_bound`` (vLLM's host
+    copy of the lengths, exact unless speculative decoding makes it optimistic: then, and when
+    vLLM gives none, ``seq_lens`` is copied from the device); the block table rows, which exist
+    only on the device, so every step copies ``num_reqs`` rows (only the columns the longest
+    sequence uses) to the host: one device-to-host copy per step, not per layer, and it waits
+    for the work queued before it.
 
-    CUDA graphs: ``NEVER``. The plan changes with every step's block tables (its work-item
-    count and array lengths are host decisions), so attention runs outside captured graphs;
-    vLLM's default mode then captures the rest of the model piecewise and runs attention eagerly
-    between the pieces.
+    CUDA graphs (:meth:`get_cudagraph_support`): ``UNIFORM_BATCH`` when
+    :func:`cuda_graphs_available`, else ``NEVER``. With full graphs on, the builder
+
+    - reserves, in ``__init__``, the plan buffers and the fp32 partials of its
+      ``PrefixAttention`` for the largest captured batch (``T`` tokens: vLLM's
+      ``max_cudagraph_capture_size`` capped at ``max_num_seqs`` times the decode query length;
+      ``S * T + 1024`` work items and query slots, ``S`` from :func:`graph_slots_per_token` or
+      ``SLOTS_PER_TOKEN_ENV``; every request's pages up to ``max_model_len``);
+    - plans graph-eligible batches (at most ``T`` tokens, no request with more new tokens than
+      a decode or speculative verification has) into those buffers, covering all
+      ``num_actual_tokens`` rows: vLLM pads a full-graph batch with requests that have no new
+      token (length 0, block-table row of zeros), which are dropped, and with tokens that belong
+      to no request, which become one-token requests of length 1 on vLLM's null block (their
+      output rows are padding that vLLM discards);
+    - plans every other batch (prefill chunks, larger batches: never replayed from a full graph)
+      with a second ``PrefixAttention``, so their plans cannot make the first one's buffers move;
+    - raises ``RuntimeError`` when a graph-eligible plan made the reserved buffers grow after
+      graphs were captured (they would replay reading freed buffers).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """Static default; vLLM asks :meth:`get_cudagraph_support`, which decides at run time."""
     reorder_batch_threshold: int | None = None
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """``UNIFORM_BATCH`` when captured runs are possible here, else ``NEVER``.
+
+        Not ``ALWAYS``: a mixed batch's plan (prefill chunks attend to long spans of KV through
+        many work items) has no useful bound in terms of its token count, so its buffers could
+        outgrow any reservation made before capture. Uniform batches (decodes, speculative
+        verification with equal query lengths) stay within the reservation.
+        """
+        if getattr(kv_cache_spec, "dtype", None) not in (torch.float16, torch.bfloat16):
+            return AttentionCGSupport.NEVER
+        if not cuda_graphs_available():
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(
         self,
@@ -165,39 +306,144 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_dim = kv_cache_spec.head_size
         self.block_size = kv_cache_spec.block_size
-        self.attention = PrefixAttention(
+        self.attention = self._new_attention()
+        """Plans every batch; with full graphs on, only graph-eligible ones (fixed buffers)."""
+        self._eager_attention: PrefixAttention | None = None
+
+        spec = getattr(vllm_config, "speculative_config", None)
+        k = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+        self.decode_query_len = 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * k
+        """Most new tokens a request of a graph-eligible batch has (1 + speculative tokens)."""
+        self.exact_host_seq_lens = spec is None
+        """``seq_lens_cpu_upper_bound`` equals ``seq_lens`` (no speculative decoding)."""
+
+        scheduler = vllm_config.scheduler_config
+        compilation = vllm_config.compilation_config
+        mode = compilation.cudagraph_mode
+        self.full_graphs = (
+            mode is not None
+            and mode.decode_mode() == CUDAGraphMode.FULL
+            and self.get_cudagraph_support(vllm_config, kv_cache_spec) != AttentionCGSupport.NEVER
+        )
+        """Full CUDA graphs may be captured over this builder's plans."""
+        max_decode_tokens = scheduler.max_num_seqs * self.decode_query_len
+        max_capture = compilation.max_cudagraph_capture_size or max_decode_tokens
+        self.max_graph_tokens = min(max_capture, max_decode_tokens)
+        """``T``: tokens of the largest batch vLLM may replay from a full graph."""
+        env = os.environ.get(SLOTS_PER_TOKEN_ENV)
+        self.max_model_len = model_config.max_model_len
+        self.slots_per_token = (
+            int(env) if env else graph_slots_per_token(self.max_model_len, self.max_graph_tokens)
+        )
+        """``S``: (work item, token) slots reserved per token of the largest graph."""
+        self.graph = _GraphState(self.slots_per_token)
+        if self.full_graphs:
+            self.reserve_for_graphs()
+
+    def _new_attention(self) -> PrefixAttention:
+        return PrefixAttention(
             self.num_qo_heads,
             self.num_kv_heads,
             self.head_dim,
             self.block_size,
             kv_layout="NHD",
-            device=device,
-            dtype=kv_cache_spec.dtype,
+            device=self.device,
+            dtype=self.kv_cache_spec.dtype,
         )
 
+    def reserve_for_graphs(self) -> None:
+        """Size ``self.attention``'s buffers for every plan of ``max_graph_tokens`` tokens."""
+        t = self.max_graph_tokens
+        slots = self.slots_per_token * t + 1024
+        self.attention.reserve(
+            num_work_items=slots,  # every item holds at least one slot
+            # At most one read per request (real or padding: at most T of them) of its own
+            # pages, plus one partial page per item.
+            num_pages=t * (-(-self.max_model_len // self.block_size) + 1) + slots,
+            num_slots=slots,
+            num_tokens=t,
+        )
+
+    # ------------------------------------------------------------------ build
     def build(
         self,
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> PrefixAttentionMetadata:
-        cm = common_attn_metadata
-        b = cm.num_reqs
-        qo_indptr = cm.query_start_loc_cpu[: b + 1].to(torch.int32)
-        # Worked example: block_size 16, max_seq_len 40 -> 3 columns used.
-        cols = min(-(-cm.max_seq_len // self.block_size), cm.block_table_tensor.shape[1])
-        block_table = cm.block_table_tensor[:b, :cols].to(torch.int32)
-        seq_lens = cm.seq_lens[:b].to(torch.int32)
-        # One device-to-host copy of both arrays (plan() would copy each separately).
-        host = torch.cat([seq_lens.unsqueeze(1), block_table], dim=1).cpu()
-        plan = self.attention.plan(host[:, 1:].contiguous(), host[:, 0].contiguous(), qo_indptr)
+        return self._build(common_attn_metadata, capture=False)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> PrefixAttentionMetadata:
+        """The capture batch (vLLM's dummy rows: length = query length, block ids from its
+        persistent table) is planned like a real one, into the buffers a replay reads."""
+        return self._build(common_attn_metadata, capture=True)
+
+    def graph_eligible(self, num_tokens: int, max_query_len: int) -> bool:
+        """May vLLM replay a batch of this shape from a full CUDA graph?"""
+        return (
+            self.full_graphs
+            and num_tokens <= self.max_graph_tokens
+            and max_query_len <= self.decode_query_len
+        )
+
+    def _build(self, cm: CommonAttentionMetadata, capture: bool) -> PrefixAttentionMetadata:
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int32)
+        q_lens = np.diff(qsl)
+        # Trailing requests with no new token are full-graph padding: drop them.
+        b = int(np.flatnonzero(q_lens)[-1]) + 1 if q_lens.any() else 0
+        n_real = int(qsl[b])
+        max_q = int(q_lens[:b].max(initial=0))
+        eligible = self.graph_eligible(cm.num_actual_tokens, max_q)
+        if eligible:
+            attention, graph = self.attention, self.graph
+            num_tokens = max(cm.num_actual_tokens, n_real)
+        elif self.full_graphs:
+            if self._eager_attention is None:
+                self._eager_attention = self._new_attention()
+            attention, graph, num_tokens = self._eager_attention, None, n_real
+        else:
+            attention, graph, num_tokens = self.attention, None, n_real
+
+        table, lens = self._host_table_and_lens(cm, b)
+        indptr = qsl[: b + 1]
+        pad = num_tokens - n_real
+        if pad:
+            # Tokens beyond the last request (full-graph padding): one request each, length 1
+            # on the null block, so the plan covers every row the captured run reads.
+            table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
+            lens = np.concatenate([lens, np.ones(pad, np.int32)])
+            indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
+        plan = attention.plan(table, lens, indptr)
+        if graph is not None and not capture:
+            graph.check(attention)
         return PrefixAttentionMetadata(
-            attention=self.attention,
+            attention=attention,
             plan=plan,
-            num_tokens=int(qo_indptr[-1]),
+            num_tokens=num_tokens,
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
+            graph=graph,
         )
+
+    def _host_table_and_lens(
+        self, cm: CommonAttentionMetadata, b: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """int32 host copies of block-table rows ``:b`` (the columns in use) and ``seq_lens``."""
+        # Worked example: block_size 16, max_seq_len 40 -> 3 columns used.
+        width = cm.block_table_tensor.shape[1]
+        cols = max(1, min(-(-cm.max_seq_len // self.block_size), width))
+        block_table = cm.block_table_tensor[:b, :cols]
+        host_lens = cm.seq_lens_cpu_upper_bound
+        if self.exact_host_seq_lens and host_lens is not None:
+            table = block_table.to("cpu", torch.int32).numpy()
+            return table, host_lens[:b].numpy().astype(np.int32)
+        # One device-to-host copy of both arrays.
+        seq_lens = cm.seq_lens[:b].to(torch.int32)
+        host = torch.cat([seq_lens.unsqueeze(1), block_table.to(torch.int32)], dim=1).cpu()
+        host_np = host.numpy()
+        return np.ascontiguousarray(host_np[:, 1:]), np.ascontiguousarray(host_np[:, 0])
 
 
 class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
@@ -282,7 +528,7 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
 
     def forward(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -302,6 +548,14 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         n = attn_metadata.num_tokens
         k_cache, v_cache = self._split_cache(kv_cache)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        capturing = _capturing(query)
+        if capturing and attn_metadata.graph is None:
+            raise RuntimeError(
+                f"prefixattn: vLLM is capturing a CUDA graph over a batch of {n} tokens that "
+                "the backend did not plan into its reserved buffers (not graph-eligible); "
+                "run with enforce_eager=True or compilation_config={'cudagraph_mode': "
+                "'PIECEWISE'}."
+            )
         attn_metadata.attention.run(
             query[:n].view(n, self.num_heads, self.head_size),
             k_cache,
@@ -310,4 +564,6 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
             out=out,
             plan=attn_metadata.plan,
         )
+        if capturing and attn_metadata.graph is not None:
+            attn_metadata.graph.note_capture(attn_metadata.attention)
         return output

@@ -2,7 +2,15 @@
 
 Saves a small Llama with random weights (std 0.02) via transformers, then runs the same
 multi-level shared-prefix prompts (token ids, no tokenizer) through both backends, with CUDA
-graphs (vLLM's default compilation) and with ``enforce_eager=True``, greedy, 5 logprobs each.
+graphs (vLLM's default compilation: ``FULL_AND_PIECEWISE``) and with ``enforce_eager=True``,
+greedy, 5 logprobs each. Requests stop after 8, 16 or 24 tokens, so the decode batch shrinks
+25 -> 17 -> 9 and is replayed from different captured sizes (32, 24, 16 with vLLM's default
+sizes), each with padding. Every engine runs in its own subprocess (an engine's GPU memory is
+only reliably freed when its process ends), under a share of ``--budget`` seconds.
+
+Each engine's worker reports (through ``collective_rpc``) the CUDA graph mode vLLM resolved
+and, for CUSTOM, its builders' state: with graphs on, CUSTOM passes only if vLLM kept full
+decode graphs and the backend's attention was captured in them (``captured_generation`` set).
 
 Pass criteria, per request: the greedy tokens agree up to the first position where FLASH_ATTN's
 top-2 logprobs are within ``2 * TOL`` (a near tie that bf16 rounding may legally flip; after a
@@ -11,19 +19,26 @@ flip the continuations differ), and the chosen tokens' logprobs agree within ``T
 logprob differences between two correct bf16 attention kernels (different summation orders)
 stay well below that, while a wrong mask, scale or page stays far above it.
 
-    python integration/vllm/check_engine.py [--out DIR]
+    python integration/vllm/check_engine.py [--out DIR] [--modes cudagraphs eager] [--budget S]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 TOL = 0.05
+BACKENDS = ("FLASH_ATTN", "CUSTOM")
 
 
 def save_model(path: Path) -> None:
@@ -54,16 +69,57 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return out
 
 
-def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> list[dict]:
-    import torch
+def worker_info(worker: Any) -> dict:
+    """Runs in the engine's worker: the resolved CUDA graph mode and the attention builders."""
+    info: dict[str, Any] = {}
+    try:
+        runner = worker.model_runner
+        info["runner"] = type(runner).__name__
+        info["cudagraph_mode"] = str(worker.vllm_config.compilation_config.cudagraph_mode)
+        graphs = getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
+        if graphs is not None:
+            info["full_graphs_captured"] = len(graphs)
+        builders = []
+        for groups in getattr(runner, "attn_groups", None) or []:
+            for group in groups:
+                b = group.get_metadata_builder(0)
+                entry: dict[str, Any] = {"builder": type(b).__name__}
+                if hasattr(b, "full_graphs"):
+                    entry["full_graphs"] = b.full_graphs
+                    entry["max_graph_tokens"] = b.max_graph_tokens
+                    entry["captured_generation"] = b.graph.captured_generation
+                    entry["buffers_generation"] = b.attention.buffers_generation
+                builders.append(entry)
+        info["builders"] = builders
+    except Exception as e:  # report, never fail the run here
+        info["error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def full_decode_graphs(info: dict) -> bool:
+    """Did vLLM keep full decode graphs, and were all CUSTOM builders captured in them?"""
+    mode = info.get("cudagraph_mode", "")
+    builders = [b for b in info.get("builders", []) if "full_graphs" in b]
+    return (
+        "FULL" in mode
+        and bool(builders)
+        and all(b["full_graphs"] and b["captured_generation"] is not None for b in builders)
+    )
+
+
+def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> dict:
+    """One engine, in this process: greedy tokens and top-5 logprobs of every prompt."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    # collective_rpc with a function needs pickle-based serialization.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
         model=model, skip_tokenizer_init=True, attention_backend=backend, enforce_eager=eager,
         gpu_memory_utilization=0.5, max_model_len=4096, seed=0,
     )  # fmt: skip
-    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True, detokenize=False)
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp)
+    sp: dict[str, Any] = dict(temperature=0, logprobs=5, ignore_eos=True, detokenize=False)
+    sps = [SamplingParams(max_tokens=8 + 8 * (i % 3), **sp) for i in range(len(ps))]
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps)
     out = []
     for r in res:
         c = r.outputs[0]
@@ -72,14 +128,13 @@ def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> list
                 "tokens": list(c.token_ids),
                 "logprobs": [
                     sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
-                    for step in c.logprobs
+                    for step in c.logprobs or []
                 ],
             }
         )
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    info = llm.collective_rpc(worker_info)[0]
+    print(backend, "eager" if eager else "cudagraphs", json.dumps(info), flush=True)
+    return {"outputs": out, "info": info}
 
 
 def compare(ref: list[dict], got: list[dict]) -> dict:
@@ -101,22 +156,86 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
     return {"ok": worst <= TOL, "max_logprob_diff": worst, "tokens": compared, "flips": flips}
 
 
+def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> dict:
+    """``generate`` in a subprocess; returns its result or an ``error``."""
+    result = out / f"vllm_check_{backend}_{mode}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--one", backend, mode, "--model", model, "--out", str(out)]
+    t0 = time.monotonic()
+    code = run_group(cmd, timeout)
+    wall = round(time.monotonic() - t0, 1)
+    print(f"{backend} {mode}: exit {code} after {wall} s", flush=True)
+    if code != 0 or not result.exists():
+        return {"error": f"engine run exited {code} after {wall} s", "wall_s": wall}
+    data = json.loads(result.read_text())
+    data["wall_s"] = wall
+    return data
+
+
+def run_group(cmd: list[str], timeout: float) -> int | str:
+    """Run ``cmd`` in its own process group; on return or timeout kill what is left of the
+    group (vLLM's engine-core processes). Returns the exit code or ``"timeout"``."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return f"timeout after {timeout:.0f} s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--modes", nargs="+", choices=["cudagraphs", "eager"],
+                    default=["cudagraphs", "eager"])  # fmt: skip
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all engine runs")
+    ap.add_argument("--one", nargs=2, metavar=("BACKEND", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    ps = prompts()
-    summary = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        backend, mode = args.one
+        data = generate(args.model, backend, mode == "eager", prompts())
+        (args.out / f"vllm_check_{backend}_{mode}.json").write_text(json.dumps(data))
+        return
+
+    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_group's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = time.monotonic() + args.budget
+    summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         save_model(Path(d))
-        for eager in (False, True):
-            ref = generate(d, "FLASH_ATTN", eager, ps)
-            got = generate(d, "CUSTOM", eager, ps)
-            key = "eager" if eager else "cudagraphs"
-            summary[key] = compare(ref, got)
-            print(key, json.dumps(summary[key]), flush=True)
-    (args.out / "vllm_check_engine.json").write_text(json.dumps(summary, indent=1))
-    assert all(v["ok"] for v in summary.values()), summary
+        runs_left = 2 * len(args.modes)
+        for mode in args.modes:
+            res = {}
+            for backend in BACKENDS:
+                runs_left -= 1
+                # All that is left, less 20 s for each later run: the first runs (graphs on,
+                # which compile) get what they need, later ones what remains.
+                timeout = max(deadline - time.monotonic() - 20 * runs_left, 30)
+                res[backend] = run_one(d, backend, mode, args.out, timeout)
+            ref, got = res["FLASH_ATTN"], res["CUSTOM"]
+            if "error" in ref or "error" in got:
+                result: dict[str, Any] = {
+                    "ok": False,
+                    "why": f"FLASH_ATTN: {ref.get('error', 'ok')}; CUSTOM: {got.get('error', 'ok')}",
+                }
+            else:
+                result = compare(ref["outputs"], got["outputs"])
+            result["info"] = {b: r.get("info") for b, r in res.items()}
+            result["wall_s"] = {b: r["wall_s"] for b, r in res.items()}
+            if mode == "cudagraphs" and "error" not in got:
+                result["custom_full_decode_graphs"] = full_decode_graphs(got["info"])
+                if not result["custom_full_decode_graphs"]:
+                    result["ok"] = False
+                    result.setdefault("why", "CUSTOM ran without full decode CUDA graphs")
+            summary[mode] = result
+            print(mode, json.dumps(result), flush=True)
+            (args.out / "vllm_check_engine.json").write_text(json.dumps(summary, indent=1))
+    assert summary and all(v["ok"] for v in summary.values()), summary
 
 
 if __name__ == "__main__":

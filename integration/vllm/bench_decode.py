@@ -1,0 +1,237 @@
+"""End-to-end decode step time in vLLM 0.26: CUSTOM (prefixattn) against FLASHINFER and FLASH_ATTN.
+
+An 8B-Llama-shaped model (32 layers, hidden 4096, 32/8 heads, head_dim 128, intermediate 14336,
+vocab 128256) with dummy weights: only a config.json, written with transformers' LlamaConfig.
+Workloads, each B requests (``--batches``, up to 256) of token-id prompts:
+
+- ``shared1``: one P-token prefix (``--prefix``, default 4096) shared by all, private tails of
+  ``--tail`` (64) tokens;
+- ``tree``: three levels: a P/2 root shared by all, 4 children of P/4, 16 grandchildren of P/4,
+  then the private tail;
+- ``none``: nothing shared, ``--none-len`` (1024) private tokens each (B x 4096 private tokens
+  would not fit in an 80 GB GPU's KV cache).
+
+Prefix caching is on (vLLM's default), so a shared prefix is stored once. Decode step time, per
+workload: one generation with ``max_tokens=1`` stores every prompt in the prefix cache; then
+greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), each timed ``--reps``
+times (minimum kept), prefill only the last tokens of each prompt, the same in both;
+step = (t(N2) - t(N1)) / (N2 - N1). All B requests decode together in every step.
+
+Each backend runs in its own subprocess (vLLM engines do not reliably free GPU memory inside
+one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PIECEWISE``);
+``--capture-sizes`` trims the captured batch sizes to shorten engine start (default
+1,2,4,8,16,32,64,128,256; ``default`` keeps vLLM's list). The backends share ``--budget``
+seconds; a worker writes its results after every workload, so a timeout keeps what finished.
+
+    python integration/vllm/bench_decode.py --out bench.json [--batches 64 256] [--prefix 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
+WORKLOADS = ("shared1", "tree", "none")
+
+
+def write_model(path: Path, max_len: int) -> None:
+    from transformers import LlamaConfig
+
+    shape: dict[str, Any] = dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=max_len,
+        rope_theta=500000.0, rms_norm_eps=1e-5, torch_dtype="bfloat16", tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg = LlamaConfig(**shape)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+
+
+def workload(kind: str, batch: int, prefix: int, tail: int, none_len: int) -> list[list[int]]:
+    rng = random.Random(1000 * WORKLOADS.index(kind) + batch)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(10, 120000) for _ in range(n)]
+
+    if kind == "shared1":
+        root = toks(prefix)
+        return [root + toks(tail) for _ in range(batch)]
+    if kind == "tree":
+        root = toks(prefix // 2)
+        mids = [toks(prefix // 4) for _ in range(4)]
+        lows = [toks(prefix // 4) for _ in range(16)]
+        return [root + mids[(i % 16) // 4] + lows[i % 16] + toks(tail) for i in range(batch)]
+    if kind == "none":
+        return [toks(none_len) for _ in range(batch)]
+    raise ValueError(kind)
+
+
+def worker_info(worker: Any) -> dict:
+    """Runs in the engine's worker: resolved CUDA graph mode, graphs, CUSTOM builders' state."""
+    info: dict[str, Any] = {}
+    try:
+        runner = worker.model_runner
+        info["cudagraph_mode"] = str(worker.vllm_config.compilation_config.cudagraph_mode)
+        graphs = getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
+        if graphs is not None:
+            info["full_graphs_captured"] = len(graphs)
+        for groups in getattr(runner, "attn_groups", None) or []:
+            for group in groups:
+                b = group.get_metadata_builder(0)
+                info["builder"] = type(b).__name__
+                if hasattr(b, "full_graphs"):
+                    info["full_graphs"] = b.full_graphs
+                    info["captured_generation"] = b.graph.captured_generation
+                    info["buffers_generation"] = b.attention.buffers_generation
+    except Exception as e:  # report, never fail the run here
+        info["error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One backend, in this process; writes ``args.result`` after every workload."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    compilation: dict[str, Any] = {}
+    if args.capture_sizes != "default":
+        compilation["cudagraph_capture_sizes"] = [int(x) for x in args.capture_sizes.split(",")]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True,
+        attention_backend=args.worker, gpu_memory_utilization=args.gpu_mem,
+        max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
+        enable_prefix_caching=True, seed=0, compilation_config=compilation or None,
+    )  # fmt: skip
+    out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
+    out["info"] = llm.collective_rpc(worker_info)[0]
+    Path(args.result).write_text(json.dumps(out))
+    print(args.worker, json.dumps(out), flush=True)
+
+    def timed(prompts: list[Any], n: int) -> float:
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    for batch in args.batches:
+        for kind in args.workloads:
+            ids = workload(kind, batch, args.prefix, args.tail, args.none_len)
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+            warm = timed(prompts, 1)  # prefill once: prompts stored in the prefix cache
+            t1 = min(timed(prompts, args.n1) for _ in range(args.reps))
+            t2 = min(timed(prompts, args.n2) for _ in range(args.reps))
+            step_ms = (t2 - t1) / (args.n2 - args.n1) * 1e3
+            out["step_ms"].setdefault(kind, {})[str(batch)] = round(step_ms, 3)
+            out.setdefault("raw_s", {})[f"{kind}/{batch}"] = [round(x, 4) for x in (warm, t1, t2)]
+            print(f"{args.worker} {kind} B={batch}: decode step {step_ms:.2f} ms", flush=True)
+            Path(args.result).write_text(json.dumps(out))
+    out["info_after"] = llm.collective_rpc(worker_info)[0]
+    Path(args.result).write_text(json.dumps(out))
+
+
+def run_group(cmd: list[str], timeout: float) -> int | str:
+    """Run ``cmd`` in its own process group; on return or timeout kill what is left of the
+    group (vLLM's engine-core processes). Returns the exit code or ``"timeout"``."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return f"timeout after {timeout:.0f} s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="vllm_bench_decode.json")
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--batches", nargs="+", type=int, default=[256])
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--tail", type=int, default=64)
+    ap.add_argument("--none-len", type=int, default=1024)
+    ap.add_argument("--n1", type=int, default=8)
+    ap.add_argument("--n2", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all backends")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        run_worker(args)
+        return 0
+
+    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_group's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = time.monotonic() + args.budget
+    model = Path(tempfile.mkdtemp()) / "llama8b-shape"
+    write_model(model, args.max_model_len)
+    results: dict[str, Any] = {
+        "model": "Llama-3-8B shape, dummy weights, bf16",
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "model", "result")},
+        "step_ms": {},
+        "engine": {},
+    }
+    forwarded = [
+        "--batches", *map(str, args.batches), "--workloads", *args.workloads,
+        "--prefix", str(args.prefix), "--tail", str(args.tail),
+        "--none-len", str(args.none_len), "--n1", str(args.n1), "--n2", str(args.n2),
+        "--reps", str(args.reps), "--max-model-len", str(args.max_model_len),
+        "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
+    ]  # fmt: skip
+    for i, backend in enumerate(args.backends):
+        timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
+        result = Path(tempfile.mkdtemp()) / f"{backend}.json"
+        cmd = [sys.executable, __file__, "--worker", backend, "--model", str(model),
+               "--result", str(result), *forwarded]  # fmt: skip
+        t0 = time.monotonic()
+        code = run_group(cmd, timeout)
+        data = json.loads(result.read_text()) if result.exists() else {}
+        results["step_ms"][backend] = data.pop("step_ms", {})
+        results["engine"][backend] = {
+            "exit": code, "wall_s": round(time.monotonic() - t0, 1), **data,
+        }  # fmt: skip
+        print(f"{backend}: exit {code}", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    # Speed-up of CUSTOM over each other backend, per workload and batch.
+    custom = results["step_ms"].get("CUSTOM", {})
+    results["speedup_vs"] = {
+        b: {
+            kind: {
+                bs: round(ms / custom[kind][bs], 3)
+                for bs, ms in per.items()
+                if custom.get(kind, {}).get(bs, 0) > 0
+            }
+            for kind, per in results["step_ms"][b].items()
+        }
+        for b in results["step_ms"]
+        if b != "CUSTOM"
+    }
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results["step_ms"]), flush=True)
+    complete = all(
+        results["engine"][b]["exit"] == 0 and results["step_ms"][b] for b in args.backends
+    )
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
