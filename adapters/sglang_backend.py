@@ -132,7 +132,17 @@ class PrefixAttnBackend(AttentionBackend):
                 f"prefixattn: KV cache dtype {self.dtype} is not supported "
                 "(use --kv-cache-dtype auto with a float16/bfloat16 model)"
             )
-        self.core = PrefixAttention(
+        self.core = self._new_core()
+        self.graph_core: PrefixAttention | None = None
+        """Plans of the decode steps SGLang runs as CUDA graphs (created by
+        :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
+        self.graph_reserved: dict[str, int] | None = None
+        self.forward_metadata: ForwardMetadata | None = None
+        self._graph_generation: int | None = None
+
+    def _new_core(self) -> PrefixAttention:
+        """A core for this model's attention shape and SGLang's NHD token-major KV pool."""
+        return PrefixAttention(
             self.num_qo_heads,
             self.num_kv_heads,
             self.head_dim,
@@ -141,12 +151,6 @@ class PrefixAttnBackend(AttentionBackend):
             device=self.device,
             dtype=self.dtype,
         )
-        self.graph_core: PrefixAttention | None = None
-        """Plans of the decode steps SGLang runs as CUDA graphs (created by
-        :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
-        self.graph_reserved: dict[str, int] | None = None
-        self.forward_metadata: ForwardMetadata | None = None
-        self._graph_generation: int | None = None
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -253,15 +257,7 @@ class PrefixAttnBackend(AttentionBackend):
                 "--disable-cuda-graph)"
             )
         if self.graph_core is None:
-            self.graph_core = PrefixAttention(
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.page_size,
-                kv_layout="NHD",
-                device=self.device,
-                dtype=self.dtype,
-            )
+            self.graph_core = self._new_core()
         max_context = int(self.req_to_token_pool.req_to_token.shape[1])
         self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
         self.graph_core.reserve(**self.graph_reserved)

@@ -28,20 +28,21 @@ and summarised, so the JSON shows that every timed step ran all B requests in a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proc_group import run_in_group
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -174,17 +175,7 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
            "--batch", str(args.batch), "--first", str(args.first), "--steps", str(args.steps),
            "--repeat", str(args.repeat), "--workloads", *args.workloads]  # fmt: skip
     t0 = time.monotonic()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: Any = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        finally:
-            # The engine's scheduler processes are in the same process group.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code = run_in_group(cmd, timeout, log)
     wall = round(time.monotonic() - t0, 1)
     print(f"{backend}: exit {code} after {wall} s (log {log})", flush=True)
     data: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}

@@ -31,18 +31,19 @@ both backends compute in bf16 with fp32 accumulation and round the attention out
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proc_group import run_in_group
 
 TOL = 0.05
 VOCAB = 8192
@@ -166,17 +167,7 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--one", backend, mode, "--model", model, "--out", str(out)]
     t0 = time.monotonic()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: Any = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        finally:
-            # The engine's scheduler processes are in the same process group.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code = run_in_group(cmd, timeout, log)
     wall = round(time.monotonic() - t0, 1)
     print(f"{backend} graphs={mode}: exit {code} after {wall} s (log {log})", flush=True)
     if code != 0 or not result.exists():

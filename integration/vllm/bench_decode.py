@@ -29,17 +29,18 @@ seconds; a worker writes its results after every workload, so a timeout keeps wh
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proc_group import run_in_group
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
 WORKLOADS = ("shared1", "tree", "none")
@@ -141,20 +142,6 @@ def run_worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(out))
 
 
-def run_group(cmd: list[str], timeout: float) -> int | str:
-    """Run ``cmd`` in its own process group; on return or timeout kill what is left of the
-    group (vLLM's engine-core processes). Returns the exit code or ``"timeout"``."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        return proc.wait(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        return f"timeout after {timeout:.0f} s"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="vllm_bench_decode.json")
@@ -179,7 +166,7 @@ def main() -> int:
         run_worker(args)
         return 0
 
-    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_group's cleanup.
+    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget
     model = Path(tempfile.mkdtemp()) / "llama8b-shape"
@@ -203,7 +190,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", backend, "--model", str(model),
                "--result", str(result), *forwarded]  # fmt: skip
         t0 = time.monotonic()
-        code = run_group(cmd, timeout)
+        code = run_in_group(cmd, timeout)
         data = json.loads(result.read_text()) if result.exists() else {}
         results["step_ms"][backend] = data.pop("step_ms", {})
         results["engine"][backend] = {

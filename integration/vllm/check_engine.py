@@ -25,17 +25,18 @@ stay well below that, while a wrong mask, scale or page stays far above it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proc_group import run_in_group
 
 TOL = 0.05
 BACKENDS = ("FLASH_ATTN", "CUSTOM")
@@ -162,7 +163,7 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--one", backend, mode, "--model", model, "--out", str(out)]
     t0 = time.monotonic()
-    code = run_group(cmd, timeout)
+    code = run_in_group(cmd, timeout)
     wall = round(time.monotonic() - t0, 1)
     print(f"{backend} {mode}: exit {code} after {wall} s", flush=True)
     if code != 0 or not result.exists():
@@ -170,20 +171,6 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
     data = json.loads(result.read_text())
     data["wall_s"] = wall
     return data
-
-
-def run_group(cmd: list[str], timeout: float) -> int | str:
-    """Run ``cmd`` in its own process group; on return or timeout kill what is left of the
-    group (vLLM's engine-core processes). Returns the exit code or ``"timeout"``."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        return proc.wait(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        return f"timeout after {timeout:.0f} s"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def main() -> None:
@@ -202,7 +189,7 @@ def main() -> None:
         (args.out / f"vllm_check_{backend}_{mode}.json").write_text(json.dumps(data))
         return
 
-    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_group's cleanup.
+    # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget
     summary: dict[str, Any] = {}
