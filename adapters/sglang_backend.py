@@ -34,8 +34,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
-from prefixattn import PrefixAttention
-from prefixattn import packer as _packer
+from prefixattn import PrefixAttention, decode_reservation
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -60,39 +59,14 @@ def core_supports_cuda_graphs() -> bool:
     return cuda_ops_available()
 
 
-GRAPH_DEPTH_ALLOWANCE = 16
-"""Prefix levels per request that the CUDA-graph reservation allows for.
-
-A decode token joins one work item per forest node on its path (system prompt, template,
-document, conversation, ...); deeper trees are legal but a plan that then outgrows the
-reservation is refused (see :meth:`PrefixAttnBackend.init_forward_metadata_out_graph`).
-"""
-
-
 def graph_reservation(
     max_bs: int, max_num_tokens: int, max_context_len: int, page_size: int
 ) -> dict[str, int]:
-    """Plan sizes to reserve so that no decode batch of up to ``max_bs`` requests (one new
-    token each, KV length at most ``max_context_len``) outgrows the core's buffers.
-
-    Per token, the work items it joins split its KV into pieces: one per node on its path
-    (at most ``GRAPH_DEPTH_ALLOWANCE``) plus the long-KV split parts. A part is never shorter
-    than the core's split floor (``MIN_SPLIT_TOKENS``) nor than the mean node length, so a
-    token joins at most ``min(ceil(L / floor), 2 * B)`` extra parts (a batch of B requests has
-    at most 2B - 1 forest nodes). Every item holds at least one (item, token) slot. The page
-    ids of all items add up to at most one read per request of its own pages (the
-    query-centric total) plus one partial page per item.
-    """
-    floor = int(getattr(_packer, "MIN_SPLIT_TOKENS", 256))
-    parts = min(2 * max_bs, -(-max_context_len // floor)) + 1
-    slots = max_num_tokens * (GRAPH_DEPTH_ALLOWANCE + parts) + 1024
-    max_pages = -(-max_context_len // page_size) + 1
-    return {
-        "num_work_items": slots,
-        "num_pages": max_bs * max_pages + slots,
-        "num_slots": slots,
-        "num_tokens": max_num_tokens,
-    }
+    """Plan sizes reserved for decode graphs of up to ``max_bs`` requests (one new token
+    each, KV length at most ``max_context_len``): the core's :func:`decode_reservation`. A
+    deeper forest than it allows for is refused at plan time (see
+    :meth:`PrefixAttnBackend.init_forward_metadata_out_graph`)."""
+    return decode_reservation(max_bs, max_num_tokens, max_context_len, page_size)
 
 
 @dataclass

@@ -51,9 +51,8 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from prefixattn import PrefixAttention
-from prefixattn import packer as _packer
-from prefixattn.api import MAX_PAGE_SIZE
+from prefixattn import PrefixAttention, decode_reservation, decode_slots_per_token
+from prefixattn.api import DECODE_DEPTH_ALLOWANCE, MAX_PAGE_SIZE
 from prefixattn.plan import LaunchPlan
 from prefixattn.tiles import SUPPORTED_HEAD_DIMS
 
@@ -139,22 +138,14 @@ SLOTS_PER_TOKEN_ENV = "PREFIXATTN_VLLM_GRAPH_SLOTS_PER_TOKEN"
 """Environment variable: (work item, token) slots reserved per captured token, overriding
 :func:`graph_slots_per_token`."""
 
-GRAPH_DEPTH_ALLOWANCE = 16
-"""Prefix levels per request that the CUDA-graph reservation allows for (system prompt,
-template, document, conversation turns, ...)."""
+GRAPH_DEPTH_ALLOWANCE = DECODE_DEPTH_ALLOWANCE
+"""Prefix levels per request that the CUDA-graph reservation allows for (the core's)."""
 
 
 def graph_slots_per_token(max_context_len: int, max_reqs: int) -> int:
-    """(work item, token) slots one decode token of a graph batch can take.
-
-    The work items a token joins cut its KV into pieces: one per forest node on its path (up
-    to ``GRAPH_DEPTH_ALLOWANCE``) plus the long-KV split parts. A split part is never shorter
-    than the packer's floor (``MIN_SPLIT_TOKENS``), so a token joins at most
-    ``min(ceil(L / floor), 2 * B)`` extra parts (B requests make at most 2B - 1 forest nodes).
-    """
-    floor = int(getattr(_packer, "MIN_SPLIT_TOKENS", 256))
-    parts = min(2 * max_reqs, -(-max_context_len // floor)) + 1
-    return GRAPH_DEPTH_ALLOWANCE + parts
+    """(work item, token) slots one decode token of a graph batch can take: the core's
+    :func:`decode_slots_per_token`."""
+    return decode_slots_per_token(max_context_len, max_reqs)
 
 
 def cuda_graphs_available() -> bool:
@@ -353,15 +344,12 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
 
     def reserve_for_graphs(self) -> None:
         """Size ``self.attention``'s buffers for every plan of ``max_graph_tokens`` tokens."""
+        # A graph batch holds at most T requests (real or padding), one token each.
         t = self.max_graph_tokens
-        slots = self.slots_per_token * t + 1024
         self.attention.reserve(
-            num_work_items=slots,  # every item holds at least one slot
-            # At most one read per request (real or padding: at most T of them) of its own
-            # pages, plus one partial page per item.
-            num_pages=t * (-(-self.max_model_len // self.block_size) + 1) + slots,
-            num_slots=slots,
-            num_tokens=t,
+            **decode_reservation(
+                t, t, self.max_model_len, self.block_size, slots_per_token=self.slots_per_token
+            )
         )
 
     # ------------------------------------------------------------------ build

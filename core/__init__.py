@@ -8,7 +8,7 @@ Importing this package loads neither the compiled kernels (loaded on first CUDA 
 any serving framework.
 """
 
-from .api import PrefixAttention
+from .api import PrefixAttention, decode_reservation, decode_slots_per_token
 from .forest import PrefixForest, build_forest
 from .plan import LaunchPlan, PlanArrays
 from .reference import attention_reference, run_plan_reference
@@ -22,6 +22,8 @@ __all__ = [
     "PrefixForest",
     "attention_reference",
     "build_forest",
+    "decode_reservation",
+    "decode_slots_per_token",
     "parse_tree",
     "run_plan_reference",
     "tree_batch",

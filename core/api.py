@@ -11,7 +11,7 @@ import torch
 from .buffers import COUNTS_LEN, PlanBuffers, load_on_host, variant_bounds
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
-from .packer import PACKINGS, BatchShape, pack
+from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, pack
 from .plan import LaunchPlan
 from .reference import run_plan_reference
 from .tiles import SUPPORTED_HEAD_DIMS, tile_table
@@ -20,6 +20,53 @@ KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """dtypes ``run`` accepts; the CUDA kernels take float16 and bfloat16, the reference all four."""
+
+
+DECODE_DEPTH_ALLOWANCE = 16
+"""Prefix levels per request that :func:`decode_reservation` allows for (system prompt,
+template, document, conversation turns, ...). Deeper forests are legal; a plan that then
+outgrows a reservation bumps ``buffers_generation``."""
+
+
+def decode_slots_per_token(
+    max_context_len: int, max_requests: int, depth_allowance: int = DECODE_DEPTH_ALLOWANCE
+) -> int:
+    """(work item, token) slots one decode token can take in a plan.
+
+    The work items a token joins cut its KV into pieces: one per forest node on its path (up
+    to ``depth_allowance``) plus the long-KV split parts. A split part is never shorter than
+    ``MIN_SPLIT_TOKENS``, so a token joins at most ``min(ceil(L / MIN_SPLIT_TOKENS), 2 * B)``
+    extra parts (B requests make at most 2B - 1 forest nodes).
+    """
+    parts = min(2 * max_requests, -(-max_context_len // MIN_SPLIT_TOKENS)) + 1
+    return depth_allowance + parts
+
+
+def decode_reservation(
+    max_requests: int,
+    max_tokens: int,
+    max_context_len: int,
+    page_size: int,
+    slots_per_token: int | None = None,
+) -> dict[str, int]:
+    """Sizes for :meth:`PrefixAttention.reserve` that no decode batch of up to
+    ``max_requests`` requests and ``max_tokens`` query tokens, each with KV length at most
+    ``max_context_len``, outgrows (CUDA-graph capture).
+
+    ``slots_per_token`` defaults to :func:`decode_slots_per_token`. Every item holds at least
+    one (item, token) slot; the page ids of all items add up to at most one read per request
+    of its own pages (the query-centric total) plus one partial page per item.
+    """
+    if slots_per_token is None:
+        slots_per_token = decode_slots_per_token(max_context_len, max_requests)
+    slots = max_tokens * slots_per_token + 1024
+    pages_per_request = -(-max_context_len // page_size) + 1
+    return {
+        "num_work_items": slots,
+        "num_pages": max_requests * pages_per_request + slots,
+        "num_slots": slots,
+        "num_tokens": max_tokens,
+    }
 
 
 class PrefixAttention:

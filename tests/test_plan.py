@@ -170,3 +170,19 @@ def test_variant_bounds_follow_tile_groups():
     for t, (m, _) in enumerate(plan.tiles):
         v = VARIANT_ROWS.index(m)
         assert bounds[v] <= plan.tile_indptr[t] and plan.tile_indptr[t + 1] <= bounds[v + 1]
+
+
+@pytest.mark.parametrize("spec", ["1,256_4096,64", "1,4,16,64_1024,512,256,31", "64_8000"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_reservation_holds_decode_plans(spec, page_size):
+    from prefixattn import decode_reservation
+
+    table, lens = tree_batch(spec, page_size)
+    b = len(lens)
+    plan = PrefixAttention(32, 8, 128, page_size).plan(table, lens)
+    sizes = decode_reservation(b, b, int(lens.max()), page_size)
+    assert plan.num_work_items <= sizes["num_work_items"]
+    assert len(plan.host.q_tokens) <= sizes["num_slots"]
+    assert len(plan.host.kv_pages) <= sizes["num_pages"]
+    assert plan.num_partials <= sizes["num_slots"]
+    assert plan.num_tokens <= sizes["num_tokens"]
