@@ -393,18 +393,7 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
         warm = [TokensPrompt(prompt_token_ids=p) for p in req["warm"]]
         llm.generate(warm, SamplingParams(max_tokens=1, **sp), use_tqdm=False)
     sps = [SamplingParams(max_tokens=n, logprobs=5, **sp) for n in req["max_new"]]
-    outputs = []
-    for r in llm.generate(prompts, sps, use_tqdm=False):
-        c = r.outputs[0]
-        outputs.append(
-            {
-                "tokens": list(c.token_ids),
-                "logprobs": [
-                    sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
-                    for step in c.logprobs or []
-                ],
-            }
-        )
+    outputs = ce.greedy_outputs(llm.generate(prompts, sps, use_tqdm=False))
     info = llm.collective_rpc(ce.worker_info)[0]
 
     def timed(n: int) -> float:

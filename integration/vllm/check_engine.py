@@ -108,6 +108,20 @@ def full_decode_graphs(info: dict) -> bool:
     )
 
 
+def greedy_outputs(results: list[Any]) -> list[dict]:
+    """Tokens and top logprobs (best first) of each of vLLM's ``RequestOutput``s."""
+    return [
+        {
+            "tokens": list(c.token_ids),
+            "logprobs": [
+                sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
+                for step in c.logprobs or []
+            ],
+        }
+        for c in (r.outputs[0] for r in results)
+    ]
+
+
 def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> dict:
     """One engine, in this process: greedy tokens and top-5 logprobs of every prompt."""
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -120,19 +134,7 @@ def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> dict
     )  # fmt: skip
     sp: dict[str, Any] = dict(temperature=0, logprobs=5, ignore_eos=True, detokenize=False)
     sps = [SamplingParams(max_tokens=8 + 8 * (i % 3), **sp) for i in range(len(ps))]
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps)
-    out = []
-    for r in res:
-        c = r.outputs[0]
-        out.append(
-            {
-                "tokens": list(c.token_ids),
-                "logprobs": [
-                    sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda x: -x[1])
-                    for step in c.logprobs or []
-                ],
-            }
-        )
+    out = greedy_outputs(llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps))
     info = llm.collective_rpc(worker_info)[0]
     print(backend, "eager" if eager else "cudagraphs", json.dumps(info), flush=True)
     return {"outputs": out, "info": info}
