@@ -21,6 +21,9 @@ MAX_PAGE_SIZE = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """dtypes ``run`` accepts; the CUDA kernels take float16 and bfloat16, the reference all four."""
 
+DEFAULT_SPLIT_TARGET = 132
+"""``PrefixAttention.split_target`` of a plan built for a CPU device: the SM count of an
+H100 / H200 SXM."""
 
 DECODE_DEPTH_ALLOWANCE = 16
 """Prefix levels per request that :func:`decode_reservation` allows for (system prompt,
@@ -159,6 +162,10 @@ class PrefixAttention:
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
+        self.split_target = _split_target(self.device)
+        """(work item, KV head) pairs the GPU runs at once: the device's SM count
+        (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items are split only while their
+        pairs fill at most half of it (``prefixattn.packer``); 0 splits every long item."""
 
     cuda_graph_safe = True
     """With the CUDA kernels, :meth:`run` may be captured in a CUDA graph: under capture it
@@ -262,14 +269,16 @@ class PrefixAttention:
 
         if self.native_plan and native_plan_available():
             forest, host, tiles, tile_indptr, acc = build_plan_native(
-                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv
-            )
+                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
+                self.split_target,
+            )  # fmt: skip
         else:
             # Requests without new tokens (padding) take no part in the forest.
             forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
             host, tiles, tile_indptr, acc = pack(
-                forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv
-            )
+                forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv,
+                self.split_target,
+            )  # fmt: skip
         _check_pages(host.kv_pages, table, lens, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
@@ -445,6 +454,12 @@ class PrefixAttention:
                 )
             if out.stride(-1) != 1:
                 raise ValueError("out must have a contiguous last dimension")
+
+
+def _split_target(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_SPLIT_TARGET
 
 
 def _layout_doc(layout: str) -> str:

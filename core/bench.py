@@ -135,16 +135,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = torch.empty_like(q)
         scale = 1 / math.sqrt(d)
         row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
-        # name, packing, split, L2 prefetch distance, fixed (graph-capture) grid
-        variants = [("prefixattn", "memory", True, 0, False)]
+        # name, packing, split, split target (None: the device's SM count), L2 prefetch
+        # distance, fixed (graph-capture) grid
+        variants = [("prefixattn", "memory", True, None, 0, False)]
         if args.ablations:
-            variants += [("naive", "naive", True, 0, False),
-                         ("per_query", "per_query", True, 0, False),
-                         ("no_split", "memory", False, 0, False),
-                         ("prefetch2", "memory", True, 2, False),
-                         ("fixed_grid", "memory", True, 0, True)]  # fmt: skip
-        for name, packing, split, prefetch, fixed in variants:
+            variants += [("naive", "naive", True, None, 0, False),
+                         ("per_query", "per_query", True, None, 0, False),
+                         ("no_split", "memory", False, None, 0, False),
+                         ("split_all", "memory", True, 0, 0, False),
+                         ("prefetch2", "memory", True, None, 2, False),
+                         ("fixed_grid", "memory", True, None, 0, True)]  # fmt: skip
+        for name, packing, split, target, prefetch, fixed in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
+            if target is not None:
+                pa.split_target = target
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             call = functools.partial(
@@ -182,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "naive_us", "per_query_us",
-                        "no_split_us", "prefetch2_us", "fixed_grid_us")
+                        "no_split_us", "split_all_us", "prefetch2_us", "fixed_grid_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",

@@ -186,6 +186,7 @@ def build_plan_native(
     table: TileTable,
     packing: str,
     split_kv: bool,
+    split_target: int = 0,
     *,
     forest_skips_idle: bool = True,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
@@ -219,6 +220,7 @@ def build_plan_native(
         [n for _, n in n_by],
         packing,
         bool(split_kv),
+        int(split_target),
         bool(forest_skips_idle),
     )
     ints = ints_t.numpy()

@@ -22,7 +22,11 @@ Then, for every packing:
   forest nodes that serve tokens; of the requests for ``"per_query"``; at least
   ``MIN_SPLIT_TOKENS``) are cut, on page boundaries, into equal parts no longer than it. The
   memory packing does not merge a child into its parent when the merged item would be cut
-  again;
+  again. Splitting only pays while the long items leave the GPU idle: with ``split_target``
+  (the (item, KV head) pairs the GPU runs at once, its SM count) the long nodes' row chunks
+  times the KV heads (their pairs) are counted first; at more than half the target nothing
+  is split (and merges are not held back), otherwise each long row chunk is cut into at most
+  ``split_target // pairs`` parts;
 - each item picks its (m, n) tile from the tile table; items are grouped by tile and, inside
   a group, ordered longest first;
 - partial rows are given only to tokens covered by more than one item.
@@ -188,8 +192,13 @@ def pack(
     table: TileTable,
     packing: str,
     split_kv: bool,
+    split_target: int = 0,
 ) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
-    """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting."""
+    """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting.
+
+    ``split_target``: (item, KV head) pairs the GPU runs at once (its SM count); 0 splits
+    every long item regardless.
+    """
     ps = forest.page_size
     qo_indptr = qo_indptr.astype(np.int64)
     qo_len = np.diff(qo_indptr)
@@ -198,15 +207,27 @@ def pack(
     # Long-KV split length: the mean KV length of the forest's nodes that serve tokens (the
     # items before any merge), or of the requests for per_query; never below MIN_SPLIT_TOKENS.
     split_len = float("inf")
+    split_cap = 1 << 30  # most parts per row chunk
     if split_kv:
         if packing == "per_query":
             lengths = lens[qo_len > 0]
+            rows = qo_len[qo_len > 0] * shape.group_size
         else:
             csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
-            serves = csum[forest.req_end] > csum[forest.req_begin]
+            below = csum[forest.req_end] - csum[forest.req_begin]
+            serves = below > 0
             lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[serves]
+            rows = below[serves] * shape.group_size
         if len(lengths):
             split_len = max(float(lengths.mean()), MIN_SPLIT_TOKENS)
+        if split_target > 0 and len(lengths):
+            # Pairs of the long nodes' row chunks: enough of them keep the GPU busy unsplit.
+            long_pairs = int((-(-rows[lengths > split_len] // table.max_rows)).sum())
+            long_pairs *= shape.num_kv_heads
+            if 2 * long_pairs > split_target:
+                split_len = float("inf")
+            elif long_pairs:
+                split_cap = split_target // long_pairs
     if packing == "memory":
         items = _items_memory(forest, shape, qo_len, table.max_rows, split_len)
     elif packing == "naive":
@@ -263,12 +284,13 @@ def pack(
         np.maximum.reduceat(slot_lim, chunk_first) if n_chunks else np.zeros(0, dtype=np.int64),
     )
 
-    # 3. Long-KV split into equal page-aligned parts no longer than the split length.
+    # 3. Long-KV split into equal page-aligned parts no longer than the split length (at most
+    #    split_cap parts).
     chunk_len = chunk_end - chunk_begin
     chunk_pages = -(-chunk_len // ps)
     if split_kv and n_chunks:
         parts = np.minimum(np.ceil(chunk_len / split_len).astype(np.int64), chunk_pages)
-        parts = np.maximum(parts, 1)
+        parts = np.maximum(np.minimum(parts, split_cap), 1)
     else:
         parts = np.ones(n_chunks, dtype=np.int64)
     part_chunk = np.repeat(np.arange(n_chunks), parts)

@@ -26,12 +26,13 @@ HEADS = [(4, 4), (8, 2), (14, 2), (16, 1), (12, 4), (32, 8), (64, 8), (128, 8)]
 
 
 def _python(block_table, seq_lens, qo_indptr, page_size, shape, table, packing, split_kv,
-            skip_idle=True):  # type: ignore[no-untyped-def]  # fmt: skip
+            split_target=0, skip_idle=True):  # type: ignore[no-untyped-def]  # fmt: skip
     lens = np.asarray(seq_lens).astype(np.int64)
     indptr = np.asarray(qo_indptr).astype(np.int64)
     forest_lens = np.where(np.diff(indptr) > 0, lens, 0) if skip_idle else lens
     forest = build_forest(block_table, forest_lens, page_size)
-    return (forest, *pack(forest, block_table, lens, indptr, shape, table, packing, split_kv))
+    return (forest, *pack(forest, block_table, lens, indptr, shape, table, packing, split_kv,
+                          split_target))  # fmt: skip
 
 
 def _assert_same(expected, actual) -> None:  # type: ignore[no-untyped-def]
@@ -53,11 +54,12 @@ def _assert_same(expected, actual) -> None:  # type: ignore[no-untyped-def]
 
 
 def _compare(batch: Batch, heads: tuple[int, int], head_dim: int, elem_bytes: int,
-             packing: str, split_kv: bool, skip_idle: bool = True) -> None:  # fmt: skip
+             packing: str, split_kv: bool, skip_idle: bool = True,
+             split_target: int = 132) -> None:  # fmt: skip
     shape = BatchShape(heads[0], heads[1], head_dim, elem_bytes)
     table = tile_table(head_dim)
     args = (batch.block_table, batch.seq_lens, batch.qo_indptr, batch.page_size, shape, table,
-            packing, split_kv)  # fmt: skip
+            packing, split_kv, split_target)  # fmt: skip
     expected = _python(*args, skip_idle=skip_idle)
     _assert_same(expected, build_plan_native(*args, forest_skips_idle=skip_idle))
 
@@ -70,12 +72,13 @@ def _compare(batch: Batch, heads: tuple[int, int], head_dim: int, elem_bytes: in
     st.sampled_from([2, 4]),
     st.sampled_from(PACKINGS),
     st.booleans(),
+    st.sampled_from([0, 1, 4, 9, 16, 132]),
 )
 def test_random_batches(
     batch: Batch, heads: tuple[int, int], head_dim: int, elem_bytes: int, packing: str,
-    split_kv: bool,
+    split_kv: bool, split_target: int,
 ) -> None:  # fmt: skip
-    _compare(batch, heads, head_dim, elem_bytes, packing, split_kv)
+    _compare(batch, heads, head_dim, elem_bytes, packing, split_kv, split_target=split_target)
 
 
 @settings(max_examples=150, deadline=None)
@@ -85,11 +88,14 @@ def test_random_batches(
     st.sampled_from(PACKINGS),
     st.booleans(),
     st.booleans(),
+    st.sampled_from([0, 8, 64, 132]),
 )
 def test_larger_batches_and_long_queries(
-    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool, skip_idle: bool
-) -> None:
-    _compare(batch, heads, 128, 2, packing, split_kv, skip_idle=skip_idle)
+    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool, skip_idle: bool,
+    split_target: int,
+) -> None:  # fmt: skip
+    _compare(batch, heads, 128, 2, packing, split_kv, skip_idle=skip_idle,
+             split_target=split_target)  # fmt: skip
 
 
 @settings(max_examples=100, deadline=None)
@@ -112,9 +118,9 @@ def test_pat_trees(spec: str, page_size: int) -> None:
     b = len(seq_lens)
     decode = np.arange(b + 1, dtype=np.int32)
     for packing in PACKINGS:
-        for split_kv in (True, False):
+        for split_kv, target in ((True, 132), (True, 0), (True, 1000), (False, 132)):
             batch = Batch(block_table, seq_lens, decode, page_size, int(block_table.max()) + 1)
-            _compare(batch, (32, 8), 128, 2, packing, split_kv)
+            _compare(batch, (32, 8), 128, 2, packing, split_kv, split_target=target)
     # Some idle requests and some with several new tokens.
     qo = np.arange(b) % 3
     batch = Batch(block_table, seq_lens, np.concatenate(([0], np.cumsum(qo))).astype(np.int32),
@@ -191,7 +197,7 @@ def test_opcheck() -> None:
     tiles = tile_table(64)
     args = (table, torch.tensor([6, 5, 3]), torch.tensor([0, 1, 3, 3]), 2, 8, 2, 64, 2,
             list(tiles.m_sizes), [b for b, _ in tiles.n_by_kv_len],
-            [n for _, n in tiles.n_by_kv_len], "memory", True, True)  # fmt: skip
+            [n for _, n in tiles.n_by_kv_len], "memory", True, 132, True)  # fmt: skip
     torch.library.opcheck(torch.ops.prefixattn.build_plan.default, args)
 
 

@@ -124,6 +124,45 @@ def test_long_kv_split_bounds_item_length() -> None:
     assert split.num_work_items > whole.num_work_items
 
 
+def _same_arrays(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return all(
+        np.array_equal(getattr(a.host, f), getattr(b.host, f)) for f in a.host.__dataclass_fields__
+    )
+
+
+def test_split_target_leaves_busy_gpus_unsplit() -> None:
+    # 1024 requests x group 4 on a 2048-token root: 32 row chunks x 8 KV heads = 256 pairs,
+    # more than half of 132: nothing is split, exactly as with split_kv=False.
+    table, lens = tree_batch("1,1024_2048,32", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+    assert pa.split_target == 132  # a CPU plan uses DEFAULT_SPLIT_TARGET
+    capped = pa.plan(table, lens)
+    whole = pa.plan(table, lens, split_kv=False)
+    assert _same_arrays(capped, whole)
+    pa.split_target = 0  # split every long item: the root is cut
+    every = pa.plan(table, lens)
+    assert every.num_work_items > whole.num_work_items
+    pa.split_target = 10**9  # a target no batch fills behaves like 0
+    assert _same_arrays(pa.plan(table, lens), every)
+
+
+def test_split_target_caps_parts() -> None:
+    # 256 requests x group 4 on a 4096-token root: 8 row chunks x 8 KV heads = 64 pairs, at
+    # most half of 132: each chunk is cut into 132 // 64 = 2 parts instead of 4096 / 256 = 16.
+    table, lens = tree_batch("1,256_4096,32", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+
+    def root_items(plan) -> list[int]:  # type: ignore[no-untyped-def]
+        h = plan.host
+        return sorted(int(n) for s, n in zip(h.kv_start, h.kv_len, strict=True) if s < 4096)
+
+    assert root_items(pa.plan(table, lens)) == [2048] * 16
+    pa.split_target = 0
+    assert root_items(pa.plan(table, lens)) == [256] * (8 * 16)
+    pa.split_target = 16  # 64 pairs fill more than half: not split
+    assert root_items(pa.plan(table, lens)) == [4096] * 8
+
+
 def test_plan_arrays_are_int32_on_device() -> None:
     table, lens = tree_batch("2,8_64,32", 16)
     plan = PrefixAttention(8, 2, 64, 16).plan(torch.from_numpy(table), torch.from_numpy(lens))
@@ -174,12 +213,15 @@ def test_variant_bounds_follow_tile_groups():
 
 @pytest.mark.parametrize("spec", ["1,256_4096,64", "1,4,16,64_1024,512,256,31", "64_8000"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_reservation_holds_decode_plans(spec, page_size):
+@pytest.mark.parametrize("split_target", [132, 0])
+def test_decode_reservation_holds_decode_plans(spec, page_size, split_target):
     from prefixattn import decode_reservation
 
     table, lens = tree_batch(spec, page_size)
     b = len(lens)
-    plan = PrefixAttention(32, 8, 128, page_size).plan(table, lens)
+    pa = PrefixAttention(32, 8, 128, page_size)
+    pa.split_target = split_target
+    plan = pa.plan(table, lens)
     sizes = decode_reservation(b, b, int(lens.max()), page_size)
     assert plan.num_work_items <= sizes["num_work_items"]
     assert len(plan.host.q_tokens) <= sizes["num_slots"]

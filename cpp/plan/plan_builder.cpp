@@ -422,30 +422,48 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   }
   const int64_t max_rows = p.m_sizes.back();
 
-  // Long-KV split length.
+  // Long-KV split length and the most parts per row chunk.
   double split_len = std::numeric_limits<double>::infinity();
+  int64_t split_cap = int64_t{1} << 30;
   if (p.split_kv) {
-    int64_t total = 0, count = 0;
+    // (KV length, query rows) of every node that serves tokens (every request with new
+    // tokens for per_query).
+    std::vector<std::pair<int64_t, int64_t>> serving;
+    const int64_t group = p.num_qo_heads / p.num_kv_heads;
     if (p.packing == Packing::kPerQuery) {
       for (int64_t b = 0; b < batch; ++b) {
-        if (qo_len[b] > 0) {
-          total += lens[b];
-          ++count;
-        }
+        if (qo_len[b] > 0) serving.emplace_back(lens[b], qo_len[b] * group);
       }
     } else {
       const int64_t n = static_cast<int64_t>(f.order.size());
       std::vector<int64_t> csum(n + 1, 0);
       for (int64_t i = 0; i < n; ++i) csum[i + 1] = csum[i] + qo_len[f.order[i]];
       for (int64_t u = 0; u < f.num_nodes(); ++u) {
-        if (csum[f.req_end[u]] > csum[f.req_begin[u]]) {
-          total += f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps;
-          ++count;
+        const int64_t below = csum[f.req_end[u]] - csum[f.req_begin[u]];
+        if (below > 0) {
+          serving.emplace_back(f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps,
+                               below * group);
         }
       }
     }
-    if (count > 0) {
-      split_len = std::max(static_cast<double>(total) / static_cast<double>(count), 256.0);
+    if (!serving.empty()) {
+      int64_t total = 0;
+      for (const auto& [len, rows] : serving) total += len;
+      split_len = std::max(static_cast<double>(total) / static_cast<double>(serving.size()),
+                           256.0);
+      if (p.split_target > 0) {
+        // Pairs of the long nodes' row chunks: enough of them keep the GPU busy unsplit.
+        int64_t long_pairs = 0;
+        for (const auto& [len, rows] : serving) {
+          if (static_cast<double>(len) > split_len) long_pairs += ceildiv(rows, max_rows);
+        }
+        long_pairs *= p.num_kv_heads;
+        if (2 * long_pairs > p.split_target) {
+          split_len = std::numeric_limits<double>::infinity();
+        } else if (long_pairs > 0) {
+          split_cap = p.split_target / long_pairs;
+        }
+      }
     }
   }
 
@@ -551,7 +569,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     int64_t parts = 1;
     if (p.split_kv) {
       parts = std::max<int64_t>(
-          std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages),
+          std::min({static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages,
+                    split_cap}),
           1);
     }
     for (int64_t k = 0; k < parts; ++k) {

@@ -48,6 +48,10 @@ struct PlanParams {
   std::vector<int64_t> n_sizes;
   Packing packing = Packing::kMemory;
   bool split_kv = true;
+  // (item, KV head) pairs the GPU runs at once (its SM count): long items are split only
+  // while their pairs fill at most half of it, into at most split_target / pairs parts.
+  // 0 splits every long item.
+  int64_t split_target = 0;
 };
 
 // forest.PrefixForest, plus its children lists in CSR form: the children of node u are
