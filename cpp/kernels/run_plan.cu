@@ -18,6 +18,34 @@ void check_index(const at::Tensor& t, const char* name) {
               name, " must be a contiguous int32 CUDA tensor");
 }
 
+#ifndef PREFIXATTN_CUDA_ARCHS_STR
+#define PREFIXATTN_CUDA_ARCHS_STR "?"
+#endif
+
+// The kernels exist only for the architectures the library was built for; on any other GPU
+// a launch would fail with CUDA's "no kernel image" error, so say what is wrong instead.
+void check_device_has_kernels() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static int8_t known[64] = {};  // per device: 0 not checked, 1 has kernels, -1 has none
+  int8_t& state = known[device & 63];
+  if (state == 0) {
+    cudaFuncAttributes attr;
+    const cudaError_t e = cudaFuncGetAttributes(&attr, merge_kernel<__nv_bfloat16, 128>);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky: clear it
+    state = e == cudaSuccess ? 1 : -1;
+  }
+  if (state < 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    TORCH_CHECK(false, "prefixattn: the CUDA kernels were built for PREFIXATTN_CUDA_ARCHS=",
+                PREFIXATTN_CUDA_ARCHS_STR, " and have no code for this GPU (compute capability ",
+                major, ".", minor, "); they need sm_90a (H100, H200). Set "
+                "PrefixAttention.use_kernels = False to run the PyTorch reference instead.");
+  }
+}
+
 // Thread blocks that fill the device once (SMs x resident blocks): the fixed grid of a
 // launch whose size must not depend on the plan (CUDA-graph capture).
 template <typename K>
@@ -141,6 +169,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "prefixattn: q and caches need 16-byte aligned rows (strides multiple of 8 elements)");
 
   const c10::cuda::CUDAGuard guard(q.device());
+  check_device_has_kernels();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   ForwardParams p{};
