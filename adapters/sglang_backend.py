@@ -34,7 +34,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
-from prefixattn import PrefixAttention, decode_reservation
+from prefixattn import CapturedBuffers, PrefixAttention, decode_reservation
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -112,7 +112,10 @@ class PrefixAttnBackend(AttentionBackend):
         :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
         self.graph_reserved: dict[str, int] | None = None
         self.forward_metadata: ForwardMetadata | None = None
-        self._graph_generation: int | None = None
+        self.graph_buffers = CapturedBuffers(
+            "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
+        )
+        """The :attr:`graph_core` buffers the captured decode graphs read."""
 
     def _new_core(self) -> PrefixAttention:
         """A core for this model's attention shape and SGLang's NHD token-major KV pool."""
@@ -161,15 +164,7 @@ class PrefixAttnBackend(AttentionBackend):
                 "'breakable' backend, which runs attention outside the graph)"
             )
         meta = self._plan(core, forward_batch)
-        if core.buffers_generation != self._graph_generation:
-            plan = meta.plan
-            raise RuntimeError(
-                "prefixattn: a decode plan outgrew the device buffers reserved for CUDA "
-                f"graphs (plan: {plan.num_work_items} work items, {len(plan.host.q_tokens)} "
-                f"slots, {len(plan.host.kv_pages)} pages, {plan.num_tokens} tokens; "
-                f"reserved: {self.graph_reserved}); restart with a smaller "
-                "--cuda-graph-max-bs-decode or with --disable-decode-cuda-graph"
-            )
+        self.graph_buffers.check(core)
         self.forward_metadata = meta
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
@@ -196,7 +191,9 @@ class PrefixAttnBackend(AttentionBackend):
         # One gather and one device-to-host copy of the batch's rows; with page_size > 1
         # only the first slot of each page travels.
         rows = self.req_to_token_pool.req_to_token[req, :max_len:ps]
-        block_table = rows.cpu().numpy() // ps
+        block_table = rows.cpu().numpy()
+        if ps > 1:  # slot -> page id (a page's slots are consecutive, its first one aligned)
+            block_table = block_table // ps
         block_table = block_table.astype(np.int32, copy=False)
 
         mode = forward_batch.forward_mode
@@ -235,7 +232,7 @@ class PrefixAttnBackend(AttentionBackend):
         max_context = int(self.req_to_token_pool.req_to_token.shape[1])
         self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
         self.graph_core.reserve(**self.graph_reserved)
-        self._graph_generation = self.graph_core.buffers_generation
+        self.graph_buffers.pin(self.graph_core)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padding rows get KV length 1: SGLang points them at ``req_to_token`` row 0 (its

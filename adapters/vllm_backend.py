@@ -51,7 +51,12 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from prefixattn import PrefixAttention, decode_reservation, decode_slots_per_token
+from prefixattn import (
+    CapturedBuffers,
+    PrefixAttention,
+    decode_reservation,
+    decode_slots_per_token,
+)
 from prefixattn.api import DECODE_DEPTH_ALLOWANCE, MAX_PAGE_SIZE
 from prefixattn.plan import LaunchPlan
 from prefixattn.tiles import SUPPORTED_HEAD_DIMS
@@ -178,42 +183,6 @@ def _remedy(slots_per_token: int) -> str:
     )
 
 
-class _GraphState:
-    """What the captured graphs of one builder depend on: the plan buffers' generation."""
-
-    def __init__(self, slots_per_token: int) -> None:
-        self.slots_per_token = slots_per_token
-        self.captured_generation: int | None = None
-        """``buffers_generation`` when the graphs were captured; None before any capture."""
-
-    def note_capture(self, attention: PrefixAttention) -> None:
-        gen = attention.buffers_generation
-        if self.captured_generation is None:
-            self.captured_generation = gen
-        elif gen != self.captured_generation:
-            raise RuntimeError(
-                "prefixattn: the plan buffers grew between two CUDA graph captures "
-                f"(generation {self.captured_generation} -> {gen}), so the graphs captured "
-                f"first are stale. {_remedy(self.slots_per_token)}"
-            )
-
-    def check(self, attention: PrefixAttention) -> None:
-        gen = attention.buffers_generation
-        if self.captured_generation is not None and gen != self.captured_generation:
-            plan = attention.last_plan
-            size = (
-                ""
-                if plan is None
-                else f" ({plan.num_tokens} tokens, {plan.num_work_items} work items, "
-                f"{len(plan.q_tokens)} query slots, {len(plan.kv_pages)} pages)"
-            )
-            raise RuntimeError(
-                f"prefixattn: this step's plan{size} outgrew the buffers reserved for the "
-                f"captured CUDA graphs (buffers generation {self.captured_generation} -> "
-                f"{gen}); replaying them would read freed buffers. {_remedy(self.slots_per_token)}"
-            )
-
-
 @dataclass
 class PrefixAttentionMetadata(AttentionMetadata):
     """The step's attention metadata, built once and read by every layer."""
@@ -230,7 +199,7 @@ class PrefixAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     """int64 [num_actual_tokens]; cache slot (block_id * block_size + offset) of each new token,
     -1 for padding."""
-    graph: _GraphState | None = None
+    graph: CapturedBuffers | None = None
     """Set when the plan lives in the buffers captured graphs read (graph-eligible batches)."""
 
 
@@ -327,7 +296,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             int(env) if env else graph_slots_per_token(self.max_model_len, self.max_graph_tokens)
         )
         """``S``: (work item, token) slots reserved per token of the largest graph."""
-        self.graph = _GraphState(self.slots_per_token)
+        self.graph = CapturedBuffers(_remedy(self.slots_per_token))
         if self.full_graphs:
             self.reserve_for_graphs()
 
@@ -553,5 +522,5 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
             plan=attn_metadata.plan,
         )
         if capturing and attn_metadata.graph is not None:
-            attn_metadata.graph.note_capture(attn_metadata.attention)
+            attn_metadata.graph.pin(attn_metadata.attention)
         return output

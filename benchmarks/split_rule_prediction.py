@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--split-target", type=int, default=132)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
-    rows = json.load(open(args.result))["rows"]
+    rows = json.loads(Path(args.result).read_text())["rows"]
     old, new, changed = [], [], 0
     for r in rows:
         split_us = r.get("split_all_us", r["prefixattn_us"])

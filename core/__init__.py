@@ -8,7 +8,7 @@ Importing this package loads neither the compiled kernels (loaded on first CUDA 
 any serving framework.
 """
 
-from .api import PrefixAttention, decode_reservation, decode_slots_per_token
+from .api import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
 from .forest import PrefixForest, build_forest
 from .plan import LaunchPlan, PlanArrays
 from .reference import attention_reference, run_plan_reference
@@ -16,6 +16,7 @@ from .workloads import PAT_TREES, parse_tree, tree_batch
 
 __all__ = [
     "PAT_TREES",
+    "CapturedBuffers",
     "LaunchPlan",
     "PlanArrays",
     "PrefixAttention",

@@ -162,10 +162,11 @@ class PrefixAttention:
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
-        self.split_target = _split_target(self.device)
-        """(work item, KV head) pairs the GPU runs at once: the device's SM count
-        (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items are split only while their
-        pairs fill at most half of it (``prefixattn.packer``); 0 splits every long item."""
+        self.split_target: int | None = None
+        """(work item, KV head) pairs the GPU runs at once; None (default): the device's SM
+        count, read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items
+        are split only while their pairs fill at most half of it (``prefixattn.packer``); 0
+        splits every long item."""
 
     cuda_graph_safe = True
     """With the CUDA kernels, :meth:`run` may be captured in a CUDA graph: under capture it
@@ -267,6 +268,8 @@ class PrefixAttention:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
 
+        if self.split_target is None:
+            self.split_target = _split_target(self.device)
         if self.native_plan and native_plan_available():
             forest, host, tiles, tile_indptr, acc = build_plan_native(
                 table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
@@ -454,6 +457,50 @@ class PrefixAttention:
                 )
             if out.stride(-1) != 1:
                 raise ValueError("out must have a contiguous last dimension")
+
+
+class CapturedBuffers:
+    """Guards CUDA graphs captured over :meth:`PrefixAttention.run`: they read the plan
+    buffers of the ``buffers_generation`` they were captured with, and a plan that outgrew
+    those buffers (the generation changed) leaves them reading freed memory.
+
+    Call :meth:`pin` when capturing (or right after :meth:`PrefixAttention.reserve`) and
+    :meth:`check` after every plan a replay will read; both raise ``RuntimeError`` with
+    ``remedy`` (what the engine's user can change) once the buffers moved.
+    """
+
+    def __init__(self, remedy: str) -> None:
+        self.remedy = remedy
+        self.captured_generation: int | None = None
+        """``buffers_generation`` at the first :meth:`pin`; None before."""
+
+    def pin(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is None:
+            self.captured_generation = gen
+        elif gen != self.captured_generation:
+            raise RuntimeError(
+                "prefixattn: the plan buffers grew between two CUDA graph captures "
+                f"(generation {self.captured_generation} -> {gen}), so the graphs captured "
+                f"first are stale. {self.remedy}"
+            )
+
+    def check(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is None or gen == self.captured_generation:
+            return
+        plan = attention.last_plan
+        size = (
+            ""
+            if plan is None
+            else f" ({plan.num_tokens} tokens, {plan.num_work_items} work items, "
+            f"{len(plan.q_tokens)} query slots, {len(plan.kv_pages)} pages)"
+        )
+        raise RuntimeError(
+            f"prefixattn: this step's plan{size} outgrew the buffers reserved for the "
+            f"captured CUDA graphs (buffers generation {self.captured_generation} -> {gen}); "
+            f"replaying them would read freed buffers. {self.remedy}"
+        )
 
 
 def _split_target(device: torch.device) -> int:

@@ -137,7 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
         # name, packing, split, split target (None: the device's SM count), L2 prefetch
         # distance, fixed (graph-capture) grid
-        variants = [("prefixattn", "memory", True, None, 0, False)]
+        variants: list[tuple[str, str, bool, int | None, int, bool]] = [
+            ("prefixattn", "memory", True, None, 0, False)
+        ]
         if args.ablations:
             variants += [("naive", "naive", True, None, 0, False),
                          ("per_query", "per_query", True, None, 0, False),

@@ -135,8 +135,8 @@ def test_split_target_leaves_busy_gpus_unsplit() -> None:
     # more than half of 132: nothing is split, exactly as with split_kv=False.
     table, lens = tree_batch("1,1024_2048,32", 16)
     pa = PrefixAttention(32, 8, 128, 16)
-    assert pa.split_target == 132  # a CPU plan uses DEFAULT_SPLIT_TARGET
     capped = pa.plan(table, lens)
+    assert pa.split_target == 132  # a CPU plan uses DEFAULT_SPLIT_TARGET
     whole = pa.plan(table, lens, split_kv=False)
     assert _same_arrays(capped, whole)
     pa.split_target = 0  # split every long item: the root is cut
@@ -228,3 +228,23 @@ def test_decode_reservation_holds_decode_plans(spec, page_size, split_target):
     assert len(plan.host.kv_pages) <= sizes["num_pages"]
     assert plan.num_partials <= sizes["num_slots"]
     assert plan.num_tokens <= sizes["num_tokens"]
+
+
+def test_captured_buffers_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixattn import CapturedBuffers
+
+    pa = PrefixAttention(8, 2, 64, 16)
+    generation = [0]
+    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    guard = CapturedBuffers("Do X.")
+    guard.check(pa)  # nothing captured yet: nothing to protect
+    guard.pin(pa)
+    guard.pin(pa)  # a second capture on the same buffers
+    table, lens = tree_batch("1,4_64,16", 16)
+    pa.plan(table, lens)
+    guard.check(pa)
+    generation[0] = 1  # a plan moved the buffers
+    with pytest.raises(RuntimeError, match=r"plan \(4 tokens.*generation 0 -> 1.*Do X\."):
+        guard.check(pa)
+    with pytest.raises(RuntimeError, match=r"between two CUDA graph captures.*Do X\."):
+        guard.pin(pa)

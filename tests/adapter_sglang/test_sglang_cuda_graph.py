@@ -262,7 +262,7 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     [(core, sizes)] = calls
     assert core is backend.graph_core
     assert sizes == graph_reservation(48, 48, MAX_CONTEXT, 16) == backend.graph_reserved
-    assert backend._graph_generation == backend.graph_core.buffers_generation
+    assert backend.graph_buffers.captured_generation == backend.graph_core.buffers_generation
 
 
 def test_cuda_graphs_need_a_graph_safe_core(monkeypatch):
