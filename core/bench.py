@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .tiles import TileTable
+
 PAT_TREES = (
     "1,10_4096,416", "1,256_256,32", "1,1024_2048,32", "1,2,64_1024,256,256",
     "1,4,256_32,256,32", "1,8,512_32,512,256", "1,8,512_32,2048,256", "1,8,512_512,512,256",
@@ -85,6 +87,68 @@ def hbm_bandwidth(torch, timer: _Timer) -> float:
     return 2 * (1 << 30) / (us * 1e-6)
 
 
+def cascade_levels(
+    forest: Any, table: np.ndarray, page_size: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The prefix forest as FlashInfer's multi-level cascade input: one level per tree depth,
+    each ``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` over the requests in the
+    forest's DFS order (``forest.order``: q rows must be permuted into it).
+
+    Level ``i`` has one query segment per node at depth ``i`` (its requests) reading that
+    node's own pages. Needs every request to end at a leaf and every leaf at the same depth;
+    raises ``ValueError`` otherwise (the cascade has no empty segments).
+    """
+    n = forest.num_nodes
+    depth = forest.depth()
+    leaf = np.array([not forest.children[u] for u in range(n)], dtype=bool)
+    if len(forest.ending_reqs) != int(forest.req_end[leaf].sum() - forest.req_begin[leaf].sum()):
+        raise ValueError("a request ends inside a shared node: no uniform cascade")
+    if n == 0 or len(set(depth[leaf].tolist())) != 1:
+        raise ValueError("leaves at different depths: no uniform cascade")
+    levels = []
+    for lvl in range(int(depth.max()) + 1):
+        nodes = np.flatnonzero(depth == lvl)
+        nodes = nodes[np.argsort(forest.req_begin[nodes], kind="stable")]
+        qo = np.concatenate(([0], forest.req_end[nodes])).astype(np.int32)
+        if (
+            qo[1:-1].tolist() != forest.req_begin[nodes][1:].tolist()
+            or forest.req_begin[nodes[0]] != 0
+        ):
+            raise ValueError(f"level {lvl} does not cover every request once")
+        pb, pe = forest.page_begin[nodes], forest.page_end[nodes]
+        if (pe <= pb).any():
+            raise ValueError(f"an empty node at level {lvl}")
+        rows = forest.order[forest.req_begin[nodes]]
+        indices = np.concatenate([table[r, b:e] for r, b, e in zip(rows, pb, pe, strict=True)])
+        kv_indptr = np.concatenate(([0], np.cumsum(pe - pb))).astype(np.int32)
+        last = (forest.token_end[nodes] - (pe.astype(np.int64) - 1) * page_size).astype(np.int32)
+        levels.append((qo, kv_indptr, indices.astype(np.int32), last))
+    return levels
+
+
+def _flashinfer_cascade(torch, fi, plan, table, ps, hq, hkv, d, q, k, v):
+    """FlashInfer's MultiLevelCascadeAttentionWrapper over the plan's forest; returns the
+    timed call and its output rows in request order."""
+    levels = cascade_levels(plan.forest, table, ps)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = fi.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD")
+
+    def dev(i: int) -> list:
+        return [torch.from_numpy(lv[i]).to("cuda") for lv in levels]
+
+    w.plan(dev(0), dev(1), dev(2), dev(3), hq, hkv, d, ps, q_data_type=q.dtype,
+           kv_data_type=q.dtype)  # fmt: skip
+    order = torch.from_numpy(plan.forest.order.astype(np.int64)).to("cuda")
+    qp = q[order].contiguous()
+
+    def output() -> Any:
+        out = torch.empty_like(q)
+        out[order] = w.run(qp, (k, v))
+        return out
+
+    return (lambda: w.run(qp, (k, v))), output
+
+
 def _flashinfer_decode(torch, fi, table, lens, ps, hq, hkv, d, q, k, v):
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
@@ -145,12 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          ("per_query", "per_query", True, None, 0, False),
                          ("no_split", "memory", False, None, 0, False),
                          ("split_all", "memory", True, 0, 0, False),
+                         ("one_tile", "memory", True, None, 0, False),
                          ("prefetch2", "memory", True, None, 2, False),
                          ("fixed_grid", "memory", True, None, 0, True)]  # fmt: skip
         for name, packing, split, target, prefetch, fixed in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
                 pa.split_target = target
+            if name == "one_tile":  # every item on the 128-row tile (variant m128)
+                pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             call = functools.partial(
@@ -159,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             row[f"{name}_us"] = timer.median_us(call)
             if name == "prefixattn":
+                pa_main, main_plan = pa, plan
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
                 row["floor_us"] = floor_bytes / bw * 1e6
                 row["items"] = plan.num_work_items
@@ -170,6 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             except Exception as e:
                 row["fi_decode_error"] = str(e)[:200]
+            try:
+                call, output = _flashinfer_cascade(torch, fi, main_plan, table, ps, hq, hkv, d,
+                                                   q, k, v)  # fmt: skip
+                # Same inputs, same math: the cascade's output must match prefixattn's.
+                pa_main.run(q, k, v, out=out)
+                row["fi_cascade_max_diff"] = float((output() - out).abs().max())
+                row["fi_cascade_us"] = timer.median_us(call)
+            except Exception as e:
+                row["fi_cascade_error"] = str(e)[:200]
         row["pct_floor"] = 100 * row["floor_us"] / row["prefixattn_us"]
         rows.append(row)
         extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))
@@ -187,8 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _write_table(result: dict, path: Path) -> None:
-    cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "naive_us", "per_query_us",
-                        "no_split_us", "split_all_us", "prefetch2_us", "fixed_grid_us")
+    cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
+                        "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
+                        "prefetch2_us", "fixed_grid_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
@@ -213,9 +291,11 @@ def _plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.25), 4))
     x = np.arange(len(rows))
     ax.bar(x, [r["pct_floor"] for r in rows], label="prefixattn")
-    if any("fi_decode_us" in r for r in rows):
-        ax.plot(x, [100 * r["floor_us"] / r["fi_decode_us"] if "fi_decode_us" in r else np.nan
-                    for r in rows], "r.", label="FlashInfer batch decode")  # fmt: skip
+    for key, style, label in (("fi_decode_us", "r.", "FlashInfer batch decode"),
+                              ("fi_cascade_us", "gx", "FlashInfer multi-level cascade")):  # fmt: skip
+        if any(key in r for r in rows):
+            ax.plot(x, [100 * r["floor_us"] / r[key] if key in r else np.nan for r in rows],
+                    style, label=label)  # fmt: skip
     ax.axhline(80, color="k", lw=0.5)
     ax.set_ylabel("% of HBM floor")
     ax.set_xticks(x, [f"{r['tree']} {r['heads'][0]}/{r['heads'][1]} p{r['page_size']}"

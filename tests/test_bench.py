@@ -1,0 +1,70 @@
+"""The benchmark's FlashInfer cascade input describes the same attention (CPU check)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from prefixattn import PrefixAttention, attention_reference, tree_batch
+from prefixattn.bench import cascade_levels
+
+
+def _cascade_attention(q, k, v, levels, page_size):  # type: ignore[no-untyped-def]
+    """What FlashInfer's cascade computes: attention of each level's query segments over the
+    segment's pages, merged across levels by log-sum-exp (q in the levels' request order)."""
+    t, hq, d = q.shape
+    g = hq // k.shape[2]
+    acc = torch.zeros(t, hq, d, dtype=torch.float64)
+    lse = torch.full((t, hq), -math.inf, dtype=torch.float64)
+    for qo, kv_indptr, indices, last in levels:
+        for s in range(len(qo) - 1):
+            pages = torch.from_numpy(indices[kv_indptr[s] : kv_indptr[s + 1]].astype(np.int64))
+            n = (len(pages) - 1) * page_size + int(last[s])
+            ks = k[pages].reshape(-1, k.shape[2], d)[:n].double().repeat_interleave(g, dim=1)
+            vs = v[pages].reshape(-1, v.shape[2], d)[:n].double().repeat_interleave(g, dim=1)
+            qs = q[qo[s] : qo[s + 1]].double()
+            logits = torch.einsum("thd,nhd->thn", qs, ks) / math.sqrt(d)
+            seg_lse = torch.logsumexp(logits, dim=-1)
+            seg_out = torch.einsum("thn,nhd->thd", torch.softmax(logits, dim=-1), vs)
+            new_lse = torch.logaddexp(lse[qo[s] : qo[s + 1]], seg_lse)
+            old_w = torch.exp(lse[qo[s] : qo[s + 1]] - new_lse).unsqueeze(-1)
+            acc[qo[s] : qo[s + 1]] = acc[qo[s] : qo[s + 1]] * old_w + seg_out * torch.exp(
+                seg_lse - new_lse
+            ).unsqueeze(-1)
+            lse[qo[s] : qo[s + 1]] = new_lse
+    return acc
+
+
+@pytest.mark.parametrize(
+    "spec, page_size",
+    [("1,10_64,17", 4), ("1,4,16_40,24,9", 8), ("2,8_32,5", 1), ("8_33", 16),
+     ("1,2,4,8_16,16,16,3", 4)],
+)  # fmt: skip
+def test_cascade_levels_compute_plain_attention(spec: str, page_size: int) -> None:
+    table, lens = tree_batch(spec, page_size, seed=3)
+    plan = PrefixAttention(8, 2, 64, page_size).plan(table, lens)
+    levels = cascade_levels(plan.forest, table, page_size)
+    gen = torch.Generator().manual_seed(0)
+    pages = int(table.max()) + 1
+    k = torch.randn(pages, page_size, 2, 16, generator=gen)
+    v = torch.randn(pages, page_size, 2, 16, generator=gen)
+    q = torch.randn(len(lens), 8, 16, generator=gen)
+    order = torch.from_numpy(plan.forest.order.astype(np.int64))
+    got = torch.empty(q.shape, dtype=torch.float64)
+    got[order] = _cascade_attention(q[order], k, v, levels, page_size)
+    want = attention_reference(q.double(), k.double(), v.double(), torch.from_numpy(table),
+                               torch.from_numpy(lens))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert len(levels) == int(plan.forest.depth().max()) + 1
+
+
+def test_cascade_levels_refuse_uneven_trees() -> None:
+    # One request ends in the shared root while others go on: no uniform cascade.
+    table = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 0]], dtype=np.int32)
+    lens = np.array([6, 6, 4], dtype=np.int32)
+    plan = PrefixAttention(8, 2, 64, 2).plan(table, lens)
+    with pytest.raises(ValueError, match=r"inside a shared node|different depths"):
+        cascade_levels(plan.forest, table, 2)
