@@ -97,6 +97,7 @@ def run_plan_cuda(
     *,
     prefetch_tiles: int = 0,
     fixed_grid: bool = False,
+    concurrent: bool = False,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
@@ -133,4 +134,5 @@ def run_plan_cuda(
         float(scale),
         int(prefetch_tiles),
         bool(fixed_grid),
+        bool(concurrent),
     )

@@ -159,6 +159,10 @@ class PrefixAttention:
         self.fixed_grid = False
         """CUDA kernels: launch the plan-independent grids used under graph capture even when
         not capturing (for tests and measurements)."""
+        self.concurrent_groups = False
+        """CUDA kernels: run the tile groups (one launch per query-tile height) on forked
+        streams at once instead of one after another on the caller's stream (not measured
+        yet; see docs/kernel-notes.md)."""
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
@@ -385,6 +389,7 @@ class PrefixAttention:
                 _ops.run_plan_cuda(
                     plan, q, k_cache, v_cache, out, scale, self._workspace,
                     prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
+                    concurrent=self.concurrent_groups,
                 )  # fmt: skip
                 return out
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)

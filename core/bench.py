@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          ("split_all", "memory", True, 0, 0, False),
                          ("one_tile", "memory", True, None, 0, False),
                          ("prefetch2", "memory", True, None, 2, False),
-                         ("fixed_grid", "memory", True, None, 0, True)]  # fmt: skip
+                         ("fixed_grid", "memory", True, None, 0, True),
+                         ("concurrent", "memory", True, None, 0, False)]  # fmt: skip
         for name, packing, split, target, prefetch, fixed in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
@@ -222,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ws = _ops.Workspace("cuda")
             call = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
-                prefetch_tiles=prefetch, fixed_grid=fixed,
+                prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=name == "concurrent",
             )  # fmt: skip
             row[f"{name}_us"] = timer.median_us(call)
             if name == "prefixattn":
@@ -266,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
-                        "prefetch2_us", "fixed_grid_us")
+                        "prefetch2_us", "fixed_grid_us", "concurrent_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",

@@ -46,6 +46,27 @@ void check_device_has_kernels() {
   }
 }
 
+// Side streams and events for concurrent tile groups: created once per thread and device
+// (never per call), non-blocking so they do not serialize with the legacy default stream.
+struct GroupStreams {
+  cudaStream_t side[kNumVariants - 1] = {};
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join[kNumVariants - 1] = {};
+};
+
+GroupStreams& group_streams(int device) {
+  thread_local GroupStreams per_device[64];
+  GroupStreams& g = per_device[device & 63];
+  if (g.fork == nullptr) {
+    for (int i = 0; i < kNumVariants - 1; ++i) {
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&g.side[i], cudaStreamNonBlocking));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.join[i], cudaEventDisableTiming));
+    }
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.fork, cudaEventDisableTiming));
+  }
+  return g;
+}
+
 // Thread blocks that fill the device once (SMs x resident blocks): the fixed grid of a
 // launch whose size must not depend on the plan (CUDA-graph capture).
 template <typename K>
@@ -133,7 +154,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& merge_tokens, const at::Tensor& merge_indptr,
                    const at::Tensor& merge_partials, const at::Tensor& counts,
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
-                   bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid) {
+                   bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
+                   bool concurrent) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -221,19 +243,42 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                 " rows has no kernel (16, 32, 64, 128)");
     variant_items[v] += static_cast<int>(tile_indptr[t + 1] - tile_indptr[t]);
   }
+  int launches[kNumVariants], num_launches = 0;
   for (int v = 0; v < kNumVariants; ++v) {
     if (D > 128 && v == kNumVariants - 1) {
       TORCH_CHECK(variant_items[v] == 0, "prefixattn: query tile of 128 rows is not "
                                          "instantiated for head_dim 256 (max 64)");
       continue;
     }
-    if (!fixed && variant_items[v] == 0) continue;
+    if (fixed || variant_items[v] > 0) launches[num_launches++] = v;
+  }
+  // Serial: every group on the caller's stream. Concurrent: the first group there, the others
+  // on side streams forked from it and joined back before the merge (a graph capture follows
+  // the fork and the joins).
+  GroupStreams* groups = nullptr;
+  if (concurrent && num_launches > 1) {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    groups = &group_streams(device);
+    C10_CUDA_CHECK(cudaEventRecord(groups->fork, stream));
+  }
+  for (int i = 0; i < num_launches; ++i) {
+    const int v = launches[i];
     p.variant = v;
     const int pairs = fixed ? -1 : variant_items[v] * hkv;
+    cudaStream_t s = stream;
+    if (groups != nullptr && i > 0) {
+      s = groups->side[i - 1];
+      C10_CUDA_CHECK(cudaStreamWaitEvent(s, groups->fork, 0));
+    }
     if (q.scalar_type() == at::kHalf)
-      launch_variant_dim<half>(D, p, pairs, stream);
+      launch_variant_dim<half>(D, p, pairs, s);
     else
-      launch_variant_dim<__nv_bfloat16>(D, p, pairs, stream);
+      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s);
+    if (s != stream) {
+      C10_CUDA_CHECK(cudaEventRecord(groups->join[i - 1], s));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));
+    }
   }
   if (fixed || num_merge_tokens > 0) {
     MergeParams mp{};

@@ -69,7 +69,8 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
-          packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0):  # fmt: skip
+          packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
+          concurrent=False):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -82,7 +83,7 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     ws = _ops.Workspace(DEV)
     scale = 1.0 / math.sqrt(d)
     _ops.run_plan_cuda(plan, q, k, v, out, scale, ws, fixed_grid=fixed_grid,
-                       prefetch_tiles=prefetch_tiles)  # fmt: skip
+                       prefetch_tiles=prefetch_tiles, concurrent=concurrent)  # fmt: skip
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert not torch.isnan(out).any(), "unwritten output elements"
     err = (out.float() - ref).abs().max().item()
@@ -125,16 +126,18 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}")
 @pytest.mark.parametrize("packing", ["memory", "naive", "per_query"])
 @pytest.mark.parametrize("qlen", [1, 5])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_forest(case, packing, qlen, seed):
     hq, hkv, d, ps, dtype, layout, inter = case
     rng = np.random.default_rng(seed * 100 + hq + d)
     table, lens, num_pages = random_forest(rng, ps, int(rng.integers(1, 40)),
                                            max(1, 700 // ps), 339)  # fmt: skip
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
-    # Seed 1 also takes the fixed-grid launches (as under graph capture) and L2 prefetch.
+    # Seed 1 also takes the fixed-grid launches (as under graph capture) and L2 prefetch;
+    # seed 2 runs the tile groups concurrently, seed 1 too (with fixed grids).
     check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
-          seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * seed)  # fmt: skip
+          seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * (seed == 1),
+          concurrent=seed >= 1)  # fmt: skip
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
@@ -171,14 +174,17 @@ def test_cuda_graph_replay():
     assert (out.float() - ref).abs().max().item() < 4 * EPS[torch.bfloat16] * 4
 
 
-def test_cuda_graph_replays_new_plans():
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_cuda_graph_replays_new_plans(concurrent):
     # Capture once, then replay plans of other forests (other item counts, tile heights,
     # merges) with the same number of tokens: the graph reads every size from device memory.
+    # With concurrent groups the capture follows the forked streams.
     hq, hkv, d, ps, b = 32, 8, 128, 16, 64
     gen = torch.Generator(device=DEV).manual_seed(5)
     num_pages = 64 * 80
     k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
+    pa.concurrent_groups = concurrent
     pa.reserve(num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024,
                num_tokens=b)  # fmt: skip
     generation = pa.buffers_generation
