@@ -37,6 +37,22 @@ PAT_TREES = (
 """The PAT paper's shared-prefix decode suite (Figure 10), in its B_L notation."""
 
 HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
+
+# name -> (packing, split_kv, split target (None: the device's SM count), L2 prefetch tiles,
+# fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
+# 128-row tile.
+Variant = tuple[str, bool, int | None, int, bool, bool]
+MAIN: Variant = ("memory", True, None, 0, False, False)
+ABLATIONS: dict[str, Variant] = {
+    "naive": ("naive", True, None, 0, False, False),
+    "per_query": ("per_query", True, None, 0, False, False),
+    "no_split": ("memory", False, None, 0, False, False),
+    "split_all": ("memory", True, 0, 0, False, False),
+    "one_tile": MAIN,
+    "prefetch2": ("memory", True, None, 2, False, False),
+    "fixed_grid": ("memory", True, None, 0, True, False),
+    "concurrent": ("memory", True, None, 0, False, True),
+}
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
 
@@ -50,7 +66,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="trees also run with page size 1 (heads 32,8)")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--ablations", action="store_true", help="packing naive/per_query, split off")
+    ap.add_argument("--ablations", nargs="*", default=None, metavar="NAME",
+                    help=f"also time these variants (all without names): {', '.join(ABLATIONS)}")  # fmt: skip
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--out", default="docs/results/bench_attention.json")
     return ap.parse_args(argv)
@@ -199,31 +216,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = torch.empty_like(q)
         scale = 1 / math.sqrt(d)
         row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
-        # name, packing, split, split target (None: the device's SM count), L2 prefetch
-        # distance, fixed (graph-capture) grid
-        variants: list[tuple[str, str, bool, int | None, int, bool]] = [
-            ("prefixattn", "memory", True, None, 0, False)
-        ]
-        if args.ablations:
-            variants += [("naive", "naive", True, None, 0, False),
-                         ("per_query", "per_query", True, None, 0, False),
-                         ("no_split", "memory", False, None, 0, False),
-                         ("split_all", "memory", True, 0, 0, False),
-                         ("one_tile", "memory", True, None, 0, False),
-                         ("prefetch2", "memory", True, None, 2, False),
-                         ("fixed_grid", "memory", True, None, 0, True),
-                         ("concurrent", "memory", True, None, 0, False)]  # fmt: skip
-        for name, packing, split, target, prefetch, fixed in variants:
+        variants: list[tuple[str, Variant]] = [("prefixattn", MAIN)]
+        if args.ablations is not None:
+            names = args.ablations or list(ABLATIONS)
+            unknown = sorted(set(names) - set(ABLATIONS))
+            if unknown:
+                print(f"prefixattn bench: unknown ablations {unknown}", file=sys.stderr)
+                return 2
+            variants += [(n, ABLATIONS[n]) for n in names]
+        for name, (packing, split, target, prefetch, fixed, concurrent) in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
                 pa.split_target = target
-            if name == "one_tile":  # every item on the 128-row tile (variant m128)
+            if name == "one_tile":
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             call = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
-                prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=name == "concurrent",
+                prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
             )  # fmt: skip
             row[f"{name}_us"] = timer.median_us(call)
             if name == "prefixattn":
@@ -252,16 +263,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
         extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))
         print(f"{spec:48s} {hq},{hkv} p{ps}: {extra} floor%={row['pct_floor']:.0f}", flush=True)
+        # Rewritten after every configuration: a run cut short keeps what it measured.
+        result = _write(torch, bw, rows, Path(args.out))
+    print(f"geomean % of floor: {result['geomean_pct_floor']:.1f}")
+    _plot(result, Path(args.out).with_suffix(".png"))
+    return 0
+
+
+def _write(torch, bw: float, rows: list[dict], out_path: Path) -> dict:
     geo = math.exp(statistics.fmean(math.log(r["pct_floor"]) for r in rows))
-    print(f"geomean % of floor: {geo:.1f}")
     result = {"device": torch.cuda.get_device_name(), "hbm_gbps": bw / 1e9,
               "geomean_pct_floor": geo, "rows": rows}  # fmt: skip
-    out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
     _write_table(result, out_path.with_suffix(".md"))
-    _plot(result, out_path.with_suffix(".png"))
-    return 0
+    return result
 
 
 def _write_table(result: dict, path: Path) -> None:
