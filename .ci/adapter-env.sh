@@ -15,7 +15,7 @@ python3 -m venv ".venv-$name"
 # shellcheck disable=SC1090
 . ".venv-$name/bin/activate"
 pip install -q "$requirement" pytest hypothesis scikit-build-core cmake ninja
-echo "$name env installed in $((SECONDS - start)) s ($(du -sh ".venv-$name" | cut -f1); $(df -h . | tail -n 1 | awk '{print $4}') free)"
+echo "$name env installed in $((SECONDS - start)) s ($(du -sh ".venv-$name" | cut -f1); $(df -Ph . | tail -n 1 | awk '{print $4}') free)"
 PREFIXATTN_CUDA=0 pip install -q --no-build-isolation --no-deps .
 echo "prefixattn installed in $((SECONDS - start)) s"
 python -m pytest "tests/adapter_$name" -q -p no:cacheprovider

@@ -59,6 +59,11 @@ def core_supports_cuda_graphs() -> bool:
     return cuda_ops_available()
 
 
+GRAPH_REMEDY = (
+    "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
+)
+
+
 def graph_reservation(
     max_bs: int, max_num_tokens: int, max_context_len: int, page_size: int
 ) -> dict[str, int]:
@@ -112,9 +117,7 @@ class PrefixAttnBackend(AttentionBackend):
         :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
         self.graph_reserved: dict[str, int] | None = None
         self.forward_metadata: ForwardMetadata | None = None
-        self.graph_buffers = CapturedBuffers(
-            "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
-        )
+        self.graph_buffers = CapturedBuffers(GRAPH_REMEDY)
         """The :attr:`graph_core` buffers the captured decode graphs read."""
 
     def _new_core(self) -> PrefixAttention:
@@ -232,6 +235,7 @@ class PrefixAttnBackend(AttentionBackend):
         max_context = int(self.req_to_token_pool.req_to_token.shape[1])
         self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
         self.graph_core.reserve(**self.graph_reserved)
+        self.graph_buffers.remedy = f"(Reserved: {self.graph_reserved}.) {GRAPH_REMEDY}"
         self.graph_buffers.pin(self.graph_core)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -70,7 +70,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help=f"also time these variants (all without names): {', '.join(ABLATIONS)}")  # fmt: skip
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--out", default="docs/results/bench_attention.json")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.ablations or ()) - set(ABLATIONS))
+    if unknown:
+        ap.error(f"unknown ablations {unknown}; known: {', '.join(ABLATIONS)}")
+    return args
 
 
 class _Timer:
@@ -105,23 +109,30 @@ def hbm_bandwidth(torch, timer: _Timer) -> float:
 
 
 def cascade_levels(
-    forest: Any, table: np.ndarray, page_size: int
+    forest: Any, table: np.ndarray, seq_lens: np.ndarray, page_size: int
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """The prefix forest as FlashInfer's multi-level cascade input: one level per tree depth,
     each ``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` over the requests in the
     forest's DFS order (``forest.order``: q rows must be permuted into it).
 
     Level ``i`` has one query segment per node at depth ``i`` (its requests) reading that
-    node's own pages. Needs every request to end at a leaf and every leaf at the same depth;
-    raises ``ValueError`` otherwise (the cascade has no empty segments).
+    node's own pages. Needs every request to have KV and to end where its leaf ends (a
+    segment has one length), and every leaf at the same depth; raises ``ValueError``
+    otherwise (the cascade has no empty segments).
     """
     n = forest.num_nodes
+    if len(forest.order) != len(seq_lens):
+        raise ValueError("a request without KV: no cascade segment for it")
     depth = forest.depth()
     leaf = np.array([not forest.children[u] for u in range(n)], dtype=bool)
     if len(forest.ending_reqs) != int(forest.req_end[leaf].sum() - forest.req_begin[leaf].sum()):
         raise ValueError("a request ends inside a shared node: no uniform cascade")
     if n == 0 or len(set(depth[leaf].tolist())) != 1:
         raise ValueError("leaves at different depths: no uniform cascade")
+    for u in np.flatnonzero(leaf):
+        reqs = forest.order[forest.req_begin[u] : forest.req_end[u]]
+        if (seq_lens[reqs] != forest.token_end[u]).any():
+            raise ValueError("requests of one leaf end at different lengths: no cascade segment")
     levels = []
     for lvl in range(int(depth.max()) + 1):
         nodes = np.flatnonzero(depth == lvl)
@@ -143,10 +154,10 @@ def cascade_levels(
     return levels
 
 
-def _flashinfer_cascade(torch, fi, plan, table, ps, hq, hkv, d, q, k, v):
+def _flashinfer_cascade(torch, fi, plan, table, lens, ps, hq, hkv, d, q, k, v):
     """FlashInfer's MultiLevelCascadeAttentionWrapper over the plan's forest; returns the
     timed call and its output rows in request order."""
-    levels = cascade_levels(plan.forest, table, ps)
+    levels = cascade_levels(plan.forest, table, lens, ps)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     w = fi.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD")
 
@@ -218,12 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
         variants: list[tuple[str, Variant]] = [("prefixattn", MAIN)]
         if args.ablations is not None:
-            names = args.ablations or list(ABLATIONS)
-            unknown = sorted(set(names) - set(ABLATIONS))
-            if unknown:
-                print(f"prefixattn bench: unknown ablations {unknown}", file=sys.stderr)
-                return 2
-            variants += [(n, ABLATIONS[n]) for n in names]
+            variants += [(n, ABLATIONS[n]) for n in args.ablations or ABLATIONS]
         for name, (packing, split, target, prefetch, fixed, concurrent) in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
@@ -251,11 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as e:
                 row["fi_decode_error"] = str(e)[:200]
             try:
-                call, output = _flashinfer_cascade(torch, fi, main_plan, table, ps, hq, hkv, d,
-                                                   q, k, v)  # fmt: skip
+                call, output = _flashinfer_cascade(torch, fi, main_plan, table, lens, ps, hq,
+                                                   hkv, d, q, k, v)  # fmt: skip
                 # Same inputs, same math: the cascade's output must match prefixattn's.
                 pa_main.run(q, k, v, out=out)
-                row["fi_cascade_max_diff"] = float((output() - out).abs().max())
+                diff = float((output().float() - out.float()).abs().max())
+                row["fi_cascade_max_diff"] = diff
+                if not diff <= 0.05 * max(1.0, float(out.float().abs().max())):
+                    raise RuntimeError(f"cascade output differs from prefixattn's by {diff}")
                 row["fi_cascade_us"] = timer.median_us(call)
             except Exception as e:
                 row["fi_cascade_error"] = str(e)[:200]
@@ -265,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{spec:48s} {hq},{hkv} p{ps}: {extra} floor%={row['pct_floor']:.0f}", flush=True)
         # Rewritten after every configuration: a run cut short keeps what it measured.
         result = _write(torch, bw, rows, Path(args.out))
+    if not rows:
+        print("prefixattn bench: no configurations selected", file=sys.stderr)
+        return 2
     print(f"geomean % of floor: {result['geomean_pct_floor']:.1f}")
     _plot(result, Path(args.out).with_suffix(".png"))
     return 0

@@ -211,18 +211,20 @@ def pack(
     if split_kv:
         if packing == "per_query":
             lengths = lens[qo_len > 0]
-            rows = qo_len[qo_len > 0] * shape.group_size
+            tokens = qo_len[qo_len > 0]
         else:
             csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
             below = csum[forest.req_end] - csum[forest.req_begin]
             serves = below > 0
             lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[serves]
-            rows = below[serves] * shape.group_size
+            tokens = below[serves]
         if len(lengths):
             split_len = max(float(lengths.mean()), MIN_SPLIT_TOKENS)
         if split_target > 0 and len(lengths):
-            # Pairs of the long nodes' row chunks: enough of them keep the GPU busy unsplit.
-            long_pairs = int((-(-rows[lengths > split_len] // table.max_rows)).sum())
+            # Pairs of the long nodes' row chunks (a chunk holds max_rows // group tokens):
+            # enough of them keep the GPU busy unsplit.
+            per_chunk = max(1, table.max_rows // shape.group_size)
+            long_pairs = int((-(-tokens[lengths > split_len] // per_chunk)).sum())
             long_pairs *= shape.num_kv_heads
             if 2 * long_pairs > split_target:
                 split_len = float("inf")

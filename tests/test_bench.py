@@ -46,7 +46,7 @@ def _cascade_attention(q, k, v, levels, page_size):  # type: ignore[no-untyped-d
 def test_cascade_levels_compute_plain_attention(spec: str, page_size: int) -> None:
     table, lens = tree_batch(spec, page_size, seed=3)
     plan = PrefixAttention(8, 2, 64, page_size).plan(table, lens)
-    levels = cascade_levels(plan.forest, table, page_size)
+    levels = cascade_levels(plan.forest, table, lens, page_size)
     gen = torch.Generator().manual_seed(0)
     pages = int(table.max()) + 1
     k = torch.randn(pages, page_size, 2, 16, generator=gen)
@@ -67,4 +67,13 @@ def test_cascade_levels_refuse_uneven_trees() -> None:
     lens = np.array([6, 6, 4], dtype=np.int32)
     plan = PrefixAttention(8, 2, 64, 2).plan(table, lens)
     with pytest.raises(ValueError, match=r"inside a shared node|different depths"):
-        cascade_levels(plan.forest, table, 2)
+        cascade_levels(plan.forest, table, lens, 2)
+
+
+def test_cascade_levels_refuse_a_leaf_of_different_lengths() -> None:
+    # Two requests on the same pages but of lengths 6 and 5: one segment cannot hold both.
+    table = np.array([[1, 2, 3], [1, 2, 3], [1, 2, 4]], dtype=np.int32)
+    lens = np.array([6, 5, 6], dtype=np.int32)
+    plan = PrefixAttention(8, 2, 64, 2).plan(table, lens)
+    with pytest.raises(ValueError, match="different lengths"):
+        cascade_levels(plan.forest, table, lens, 2)

@@ -7,6 +7,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <map>
+#include <utility>
 
 #include "prefixattn/decode_kernels.cuh"
 
@@ -24,18 +27,24 @@ void check_index(const at::Tensor& t, const char* name) {
 
 // The kernels exist only for the architectures the library was built for; on any other GPU
 // a launch would fail with CUDA's "no kernel image" error, so say what is wrong instead.
+// Only "no image for this device" is remembered; any other error is raised as it is.
 void check_device_has_kernels() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  static int8_t known[64] = {};  // per device: 0 not checked, 1 has kernels, -1 has none
-  int8_t& state = known[device & 63];
-  if (state == 0) {
+  static std::atomic<int8_t> known[64] = {};  // per device: 0 not checked, 1 ok, -1 no code
+  std::atomic<int8_t>& state = known[device & 63];
+  if (state.load(std::memory_order_relaxed) == 0) {
     cudaFuncAttributes attr;
     const cudaError_t e = cudaFuncGetAttributes(&attr, merge_kernel<__nv_bfloat16, 128>);
-    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky: clear it
-    state = e == cudaSuccess ? 1 : -1;
+    if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+      (void)cudaGetLastError();  // not sticky: clear it
+      state.store(-1, std::memory_order_relaxed);
+    } else {
+      C10_CUDA_CHECK(e);
+      state.store(1, std::memory_order_relaxed);
+    }
   }
-  if (state < 0) {
+  if (state.load(std::memory_order_relaxed) < 0) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
@@ -46,25 +55,27 @@ void check_device_has_kernels() {
   }
 }
 
-// Side streams and events for concurrent tile groups: created once per thread and device
-// (never per call), non-blocking so they do not serialize with the legacy default stream.
+// Side streams and events for concurrent tile groups, one set per (thread, device, caller
+// stream): a side stream that joined one stream's graph capture is never used for another
+// stream's work. Created on first use (never per call), non-blocking.
 struct GroupStreams {
   cudaStream_t side[kNumVariants - 1] = {};
   cudaEvent_t fork = nullptr;
   cudaEvent_t join[kNumVariants - 1] = {};
 };
 
-GroupStreams& group_streams(int device) {
-  thread_local GroupStreams per_device[64];
-  GroupStreams& g = per_device[device & 63];
-  if (g.fork == nullptr) {
-    for (int i = 0; i < kNumVariants - 1; ++i) {
-      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&g.side[i], cudaStreamNonBlocking));
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.join[i], cudaEventDisableTiming));
-    }
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.fork, cudaEventDisableTiming));
+const GroupStreams& group_streams(int device, cudaStream_t caller) {
+  thread_local std::map<std::pair<int, cudaStream_t>, GroupStreams> sets;
+  const auto key = std::make_pair(device, caller);
+  auto it = sets.find(key);
+  if (it != sets.end()) return it->second;
+  GroupStreams g;
+  for (int i = 0; i < kNumVariants - 1; ++i) {
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&g.side[i], cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.join[i], cudaEventDisableTiming));
   }
-  return g;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&g.fork, cudaEventDisableTiming));
+  return sets.emplace(key, g).first->second;
 }
 
 // Thread blocks that fill the device once (SMs x resident blocks): the fixed grid of a
@@ -255,11 +266,11 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // Serial: every group on the caller's stream. Concurrent: the first group there, the others
   // on side streams forked from it and joined back before the merge (a graph capture follows
   // the fork and the joins).
-  GroupStreams* groups = nullptr;
+  const GroupStreams* groups = nullptr;
   if (concurrent && num_launches > 1) {
     int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
-    groups = &group_streams(device);
+    groups = &group_streams(device, stream);
     C10_CUDA_CHECK(cudaEventRecord(groups->fork, stream));
   }
   for (int i = 0; i < num_launches; ++i) {

@@ -426,13 +426,12 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   double split_len = std::numeric_limits<double>::infinity();
   int64_t split_cap = int64_t{1} << 30;
   if (p.split_kv) {
-    // (KV length, query rows) of every node that serves tokens (every request with new
+    // (KV length, new tokens) of every node that serves tokens (every request with new
     // tokens for per_query).
     std::vector<std::pair<int64_t, int64_t>> serving;
-    const int64_t group = p.num_qo_heads / p.num_kv_heads;
     if (p.packing == Packing::kPerQuery) {
       for (int64_t b = 0; b < batch; ++b) {
-        if (qo_len[b] > 0) serving.emplace_back(lens[b], qo_len[b] * group);
+        if (qo_len[b] > 0) serving.emplace_back(lens[b], qo_len[b]);
       }
     } else {
       const int64_t n = static_cast<int64_t>(f.order.size());
@@ -442,20 +441,23 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
         const int64_t below = csum[f.req_end[u]] - csum[f.req_begin[u]];
         if (below > 0) {
           serving.emplace_back(f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps,
-                               below * group);
+                               below);
         }
       }
     }
     if (!serving.empty()) {
       int64_t total = 0;
-      for (const auto& [len, rows] : serving) total += len;
+      for (const auto& entry : serving) total += entry.first;
       split_len = std::max(static_cast<double>(total) / static_cast<double>(serving.size()),
                            256.0);
       if (p.split_target > 0) {
-        // Pairs of the long nodes' row chunks: enough of them keep the GPU busy unsplit.
+        // Pairs of the long nodes' row chunks (a chunk holds max_rows / group tokens):
+        // enough of them keep the GPU busy unsplit.
+        const int64_t per_chunk =
+            std::max<int64_t>(1, floordiv(max_rows, p.num_qo_heads / p.num_kv_heads));
         int64_t long_pairs = 0;
-        for (const auto& [len, rows] : serving) {
-          if (static_cast<double>(len) > split_len) long_pairs += ceildiv(rows, max_rows);
+        for (const auto& [len, tokens] : serving) {
+          if (static_cast<double>(len) > split_len) long_pairs += ceildiv(tokens, per_chunk);
         }
         long_pairs *= p.num_kv_heads;
         if (2 * long_pairs > p.split_target) {
