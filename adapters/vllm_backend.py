@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -363,7 +364,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         else:
             attention, graph, num_tokens = self.attention, None, n_real
 
-        table, lens = self._host_table_and_lens(cm, b)
+        # Named ranges for profiles (integration/trace_summary.py): the copy of the block
+        # table to the host waits for the work queued before it.
+        with record_function("prefixattn.host_tables"):
+            table, lens = self._host_table_and_lens(cm, b)
         indptr = qsl[: b + 1]
         pad = num_tokens - n_real
         if pad:
@@ -372,7 +376,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
             lens = np.concatenate([lens, np.ones(pad, np.int32)])
             indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
-        plan = attention.plan(table, lens, indptr)
+        with record_function("prefixattn.plan"):
+            plan = attention.plan(table, lens, indptr)
         if graph is not None and not capture:
             graph.check(attention)
         return PrefixAttentionMetadata(

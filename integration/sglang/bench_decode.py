@@ -23,6 +23,10 @@ SGLang's own per-step log ("Decode batch, #running-req: B, ... cuda graph: True"
 and summarised, so the JSON shows that every timed step ran all B requests in a graph.
 
     python integration/sglang/bench_decode.py --out DIR [--batch 256] [--budget 520]
+
+``--profile DIR`` also records one more generation per workload with SGLang's torch profiler
+(outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
+adapter's host ranges; ``integration/trace_summary.py``) to the results.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from trace_summary import summarize_traces
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -139,6 +144,12 @@ def bench_backend(
             }
             print(f"{backend} {spec}: decode step {step_ms:.2f} ms", flush=True)
             save(out)
+            if args.profile:  # a separate, profiled generation: never in the timings above
+                llm.start_profile(output_dir=str(Path(args.profile).resolve() / backend),
+                                  activities=["CPU", "GPU"], with_stack=False,
+                                  profile_prefix=spec.replace(":", "-"))  # fmt: skip
+                llm.generate(input_ids=prompts, sampling_params={**sp, "max_new_tokens": 12})
+                llm.stop_profile()
             llm.flush_cache()
     finally:
         llm.shutdown()
@@ -173,7 +184,8 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--one", backend, "--model", model, "--out", str(out),
            "--batch", str(args.batch), "--first", str(args.first), "--steps", str(args.steps),
-           "--repeat", str(args.repeat), "--workloads", *args.workloads]  # fmt: skip
+           "--repeat", str(args.repeat), "--workloads", *args.workloads,
+           *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log)
     wall = round(time.monotonic() - t0, 1)
@@ -198,6 +210,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32, help="extra tokens of the longer one")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--budget", type=float, default=520.0, help="seconds for all backends")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after each timing, profile one more generation of 12 tokens into "
+                         "DIR/BACKEND and summarize the traces (integration/trace_summary.py)")  # fmt: skip
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,6 +254,8 @@ def main() -> int:
             if pa and other and b != "prefixattn":
                 speedup.setdefault(spec, {})[b] = round(other / pa, 3)
     results["prefixattn_speedup"] = speedup
+    if args.profile:
+        results["profile"] = summarize_traces(Path(args.profile))
     (args.out / "bench_decode.json").write_text(json.dumps(results, indent=1))
     print("speedup of prefixattn (other / prefixattn):", json.dumps(speedup), flush=True)
     return 0 if all("error" not in r for r in results["backends"].values()) else 1

@@ -24,6 +24,10 @@ one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PI
 seconds; a worker writes its results after every workload, so a timeout keeps what finished.
 
     python integration/vllm/bench_decode.py --out bench.json [--batches 64 256] [--prefix 4096]
+
+``--profile DIR`` also records one more generation per workload with vLLM's torch profiler
+(outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
+adapter's host ranges; ``integration/trace_summary.py``) to the results.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from trace_summary import summarize_traces
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
+PROFILE_TOKENS = 12
 WORKLOADS = ("shared1", "tree", "none")
 
 
@@ -108,12 +114,17 @@ def run_worker(args: argparse.Namespace) -> None:
     compilation: dict[str, Any] = {}
     if args.capture_sizes != "default":
         compilation["cudagraph_capture_sizes"] = [int(x) for x in args.capture_sizes.split(",")]
+    profiler: dict[str, Any] | None = None
+    if args.profile:
+        profiler = {"profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
+                    "torch_profiler_dir": str(Path(args.profile).resolve() / args.worker)}  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model, load_format="dummy", skip_tokenizer_init=True,
         attention_backend=args.worker, gpu_memory_utilization=args.gpu_mem,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
         enable_prefix_caching=True, seed=0, compilation_config=compilation or None,
+        profiler_config=profiler,
     )  # fmt: skip
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
     out["info"] = llm.collective_rpc(worker_info)[0]
@@ -138,6 +149,10 @@ def run_worker(args: argparse.Namespace) -> None:
             out.setdefault("raw_s", {})[f"{kind}/{batch}"] = [round(x, 4) for x in (warm, t1, t2)]
             print(f"{args.worker} {kind} B={batch}: decode step {step_ms:.2f} ms", flush=True)
             Path(args.result).write_text(json.dumps(out))
+            if args.profile:  # a separate, profiled generation: never in the timings above
+                llm.start_profile(f"{kind}-B{batch}")
+                timed(prompts, PROFILE_TOKENS)
+                llm.stop_profile()
     out["info_after"] = llm.collective_rpc(worker_info)[0]
     Path(args.result).write_text(json.dumps(out))
 
@@ -158,6 +173,10 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for all backends")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after each timing, profile one more generation of "
+                         f"{PROFILE_TOKENS} tokens into DIR/BACKEND and summarize the traces "
+                         "(integration/trace_summary.py)")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -183,6 +202,7 @@ def main() -> int:
         "--none-len", str(args.none_len), "--n1", str(args.n1), "--n2", str(args.n2),
         "--reps", str(args.reps), "--max-model-len", str(args.max_model_len),
         "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
+        *(["--profile", args.profile] if args.profile else []),
     ]  # fmt: skip
     for i, backend in enumerate(args.backends):
         timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
@@ -212,6 +232,8 @@ def main() -> int:
         for b in results["step_ms"]
         if b != "CUSTOM"
     }
+    if args.profile:
+        results["profile"] = summarize_traces(Path(args.profile))
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(json.dumps(results["step_ms"]), flush=True)
     complete = all(

@@ -1,0 +1,118 @@
+"""Where a decode step's time goes, from a PyTorch profiler trace (Chrome JSON, ``.gz`` too).
+
+Written for the traces vLLM (``profiler_config``) and SGLang (``start_profile``) save from
+their model workers, with the adapters' named ranges ``prefixattn.host_tables`` (the copy of
+the batch's block table to the host, which waits for the work queued before it) and
+``prefixattn.plan``. Prints, as JSON:
+
+- ``window_ms``: first GPU activity to last; ``gpu_busy_ms``: the union of GPU kernels,
+  copies and sets in it; ``gpu_idle_ms`` and ``gpu_idle_frac``;
+- ``gaps``: idle intervals of the GPU longer than ``--gap-us``, their count, total and the
+  longest, each with the named prefixattn ranges that overlap it;
+- ``ranges``: count, total and mean of each named range (CPU).
+
+    python integration/trace_summary.py TRACE.json[.gz] [--gap-us 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RANGES = ("prefixattn.host_tables", "prefixattn.plan")
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data = json.loads(raw)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) -> dict:
+    gpu = _union(
+        [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+         if e.get("cat") in GPU_CATS]
+    )  # fmt: skip
+    named = {n: [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                 if e.get("name") == n and e.get("cat") not in GPU_CATS]
+             for n in RANGES}  # fmt: skip
+    ranges = {
+        n: {"count": len(iv), "total_ms": round(sum(b - a for a, b in iv) / 1e3, 3),
+            "mean_ms": round(sum(b - a for a, b in iv) / 1e3 / len(iv), 4) if iv else 0.0}
+        for n, iv in named.items()
+    }  # fmt: skip
+    if not gpu:
+        return {"window_ms": 0.0, "gpu_busy_ms": 0.0, "gpu_idle_ms": 0.0, "gpu_idle_frac": 0.0,
+                "gaps": {"count": 0, "total_ms": 0.0, "longest": []}, "ranges": ranges}  # fmt: skip
+    window = gpu[-1][1] - gpu[0][0]
+    busy = sum(b - a for a, b in gpu)
+    gaps = [(a[1], b[0]) for a, b in itertools.pairwise(gpu) if b[0] - a[1] > gap_us]
+    longest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+
+    def overlapping(start: float, end: float) -> dict[str, float]:
+        out = {}
+        for n, iv in named.items():
+            us = sum(max(0.0, min(end, b) - max(start, a)) for a, b in iv)
+            if us > 0:
+                out[n] = round(us / 1e3, 3)
+        return out
+
+    return {
+        "window_ms": round(window / 1e3, 3),
+        "gpu_busy_ms": round(busy / 1e3, 3),
+        "gpu_idle_ms": round((window - busy) / 1e3, 3),
+        "gpu_idle_frac": round((window - busy) / window, 4) if window > 0 else 0.0,
+        "gaps": {
+            "min_us": gap_us,
+            "count": len(gaps),
+            "total_ms": round(sum(b - a for a, b in gaps) / 1e3, 3),
+            "longest": [
+                {"ms": round((b - a) / 1e3, 3), "overlaps_ms": overlapping(a, b)}
+                for a, b in longest
+            ],
+        },
+        "ranges": ranges,
+    }
+
+
+def summarize_traces(folder: Path, gap_us: float = 50.0) -> dict[str, dict]:
+    """Summaries of every trace file below ``folder``, by relative path."""
+    files = sorted(p for p in folder.rglob("*") if p.name.endswith((".json", ".json.gz")))
+    out = {}
+    for p in files:
+        try:
+            out[str(p.relative_to(folder))] = summarize(load(p), gap_us)
+        except (OSError, ValueError, KeyError) as e:
+            out[str(p.relative_to(folder))] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--gap-us", type=float, default=50.0, help="shortest idle interval listed")
+    args = ap.parse_args(argv)
+    result = {str(p): summarize(load(p), args.gap_us) for p in args.traces}
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""integration/trace_summary.py on a hand-made profiler trace."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "integration" / "trace_summary.py"
+
+
+@pytest.fixture(scope="module")
+def ts():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("trace_summary", TOOL)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ev(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+
+TRACE = [
+    # Two steps of GPU work with a 400 us idle gap between them, overlapping kernels in the
+    # first step, and the host copy + plan of the second step inside the gap.
+    _ev("fwd", "kernel", 0, 300),
+    _ev("fwd2", "kernel", 100, 300),  # overlaps: busy 0-400
+    _ev("copy", "gpu_memcpy", 410, 20),  # 10 us gap: below the threshold
+    _ev("prefixattn.host_tables", "user_annotation", 450, 100),
+    _ev("prefixattn.plan", "user_annotation", 560, 200),
+    _ev("fwd", "kernel", 830, 170),  # gap 430-830 = 400 us
+    _ev("cudaLaunchKernel", "cuda_runtime", 820, 5),
+    {"ph": "i", "name": "marker", "ts": 5},
+]
+
+
+def test_summary_of_a_trace(ts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": TRACE}).encode()))
+    s = ts.summarize(ts.load(path), gap_us=50)
+    assert s["window_ms"] == 1.0
+    assert s["gpu_busy_ms"] == pytest.approx(0.59)  # 400 + 20 + 170 us
+    assert s["gpu_idle_ms"] == pytest.approx(0.41)
+    assert s["gaps"]["count"] == 1 and s["gaps"]["total_ms"] == 0.4
+    [gap] = s["gaps"]["longest"]
+    assert gap["overlaps_ms"] == {"prefixattn.host_tables": 0.1, "prefixattn.plan": 0.2}
+    assert s["ranges"]["prefixattn.plan"] == {"count": 1, "total_ms": 0.2, "mean_ms": 0.2}
+
+
+def test_trace_without_gpu_work(ts) -> None:  # type: ignore[no-untyped-def]
+    s = ts.summarize([_ev("prefixattn.plan", "user_annotation", 0, 10)])
+    assert s["window_ms"] == 0.0 and s["ranges"]["prefixattn.plan"]["count"] == 1
+
+
+def test_cli(ts, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRACE))  # a bare event list is accepted too
+    assert ts.main([str(path), "--gap-us", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[str(path)]["gaps"]["count"] == 2  # the 10 us gap counts at 5 us
