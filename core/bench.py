@@ -52,6 +52,7 @@ ABLATIONS: dict[str, Variant] = {
     "prefetch2": ("memory", True, None, 2, False, False),
     "fixed_grid": ("memory", True, None, 0, True, False),
     "concurrent": ("memory", True, None, 0, False, True),
+    "fixed_concurrent": ("memory", True, None, 0, True, True),
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -295,7 +296,8 @@ def _write(torch, bw: float, rows: list[dict], out_path: Path) -> dict:
 def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
-                        "prefetch2_us", "fixed_grid_us", "concurrent_us")
+                        "prefetch2_us", "fixed_grid_us", "concurrent_us",
+                        "fixed_concurrent_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
