@@ -274,6 +274,11 @@ class PrefixAttention:
 
         if self.split_target is None:
             self.split_target = _split_target(self.device)
+        if not isinstance(self.split_target, int) or self.split_target < 0:
+            raise ValueError(
+                f"split_target must be a non-negative int (0: split every long item), got "
+                f"{self.split_target!r}"
+            )
         if self.native_plan and native_plan_available():
             forest, host, tiles, tile_indptr, acc = build_plan_native(
                 table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,

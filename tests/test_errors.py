@@ -146,3 +146,11 @@ def test_hnd_layout_shape_is_checked() -> None:
     q, k, v = _inputs()  # NHD-shaped caches
     with pytest.raises(ValueError, match=r"\[num_pages, num_kv_heads, page_size, head_dim\]"):
         pa.run(q, k, v)
+
+
+@pytest.mark.parametrize("target", [-1, 1.5, "132"])
+def test_plan_rejects_bad_split_target(target) -> None:  # type: ignore[no-untyped-def]
+    pa = _pa()
+    pa.split_target = target
+    with pytest.raises(ValueError, match="split_target must be a non-negative int"):
+        pa.plan(TABLE, LENS)
