@@ -19,7 +19,7 @@ for step in $steps; do
       PREFIXATTN_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps --upgrade \
         --target /tmp/site . >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; } ;;
     test)
-      timeout 420 python3 -m pytest tests/gpu tests/test_plan_buffers_cuda.py tests/test_custom_engine.py -q \
+      timeout 540 python3 -m pytest tests/gpu tests/test_plan_buffers_cuda.py tests/test_custom_engine.py -q \
         --maxfail=10 -p no:cacheprovider 2>&1 | tee "$OUT/test.log" | tail -15 ;;
     memcheck)
       timeout 400 compute-sanitizer --tool memcheck python3 -m pytest tests/gpu -q -x \
