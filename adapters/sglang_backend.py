@@ -75,6 +75,17 @@ def graph_reservation(
     return decode_reservation(max_bs, max_num_tokens, max_context_len, page_size)
 
 
+def _refuse_extras(layer: RadixAttention, kwargs: dict[str, Any]) -> None:
+    """Arguments some models pass for features this backend does not implement (attention
+    sinks, score modifiers, FP8 descales, ...): refused by name rather than ignored."""
+    extras = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+    if extras:
+        raise NotImplementedError(
+            f"prefixattn: layer {layer.layer_id} passes {', '.join(extras)}, which this "
+            "backend does not implement"
+        )
+
+
 @dataclass
 class ForwardMetadata:
     """What one step's layers share."""
@@ -112,6 +123,17 @@ class PrefixAttnBackend(AttentionBackend):
                 f"prefixattn: KV cache dtype {self.dtype} is not supported "
                 "(use --kv-cache-dtype auto with a float16/bfloat16 model)"
             )
+        layout = getattr(self.token_to_kv_pool, "kv_cache_layout", "nhd")
+        if layout != "nhd":
+            raise ValueError(
+                f"prefixattn: KV pool layout {layout!r} is not supported (the token-major NHD "
+                "pool only; unset SGLANG_USE_HND_KVCACHE)"
+            )
+        spec = getattr(model_runner, "spec_algorithm", None)
+        if spec is not None and spec.is_speculative():
+            raise ValueError("prefixattn: speculative decoding is not supported in SGLang yet")
+        if getattr(model_runner, "dllm_config", None) is not None:
+            raise ValueError("prefixattn: diffusion language models are not supported")
         self.core = self._new_core()
         self.graph_core: PrefixAttention | None = None
         """Plans of the decode steps SGLang runs as CUDA graphs (created by
@@ -261,6 +283,7 @@ class PrefixAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
+        _refuse_extras(layer, kwargs)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_extend(
@@ -273,6 +296,7 @@ class PrefixAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
+        _refuse_extras(layer, kwargs)
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(
@@ -286,6 +310,13 @@ class PrefixAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """q: [T, Hq*D] (or [T, Hq, D]); k, v: [T, Hkv, D]; returns [T, Hq*D]."""
         self._check_layer(layer)
+        if not save_kv_cache and k is not None and v is not None:
+            raise NotImplementedError(
+                f"prefixattn: layer {layer.layer_id} passes new K/V without saving them "
+                "(save_kv_cache=False); attention reads K/V from the pool only"
+            )
+        if getattr(forward_batch, "encoder_lens", None) is not None:
+            raise NotImplementedError("prefixattn: encoder-decoder models are not supported")
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc), k, v
@@ -311,6 +342,12 @@ class PrefixAttnBackend(AttentionBackend):
         reasons = []
         if getattr(layer, "is_cross_attention", False):
             reasons.append("cross attention")
+        attn_type = getattr(layer, "attn_type", None)
+        if attn_type is not None and getattr(attn_type, "value", attn_type) != "decoder":
+            # Encoder-only and bidirectional layers are not causal; the plan is.
+            reasons.append(f"attention type {getattr(attn_type, 'value', attn_type)}")
+        if getattr(layer, "xai_temperature_len", -1) > 0:
+            reasons.append(f"xai temperature scaling (len {layer.xai_temperature_len})")
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
             reasons.append(f"sliding window {layer.sliding_window_size}")
         if layer.logit_cap and layer.logit_cap > 0:

@@ -51,6 +51,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from prefixattn import (
     CapturedBuffers,
@@ -104,9 +105,9 @@ class PrefixAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        # Any page size from 1 to MAX_PAGE_SIZE; vLLM's defaults (16, and multiples of 16 for
-        # hybrid models) are all in range.
-        return [MultipleOf(1)]
+        # Any page size from 1 to MAX_PAGE_SIZE, listed one by one: a larger KV-manager block
+        # (hybrid models) is then split into the largest of them that divides it.
+        return list(range(MAX_PAGE_SIZE, 0, -1))
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -133,7 +134,20 @@ class PrefixAttentionBackend(AttentionBackend):
         use_mm_prefix: bool,
         device_capability: Any,
     ) -> str | None:
+        if use_mm_prefix:
+            return "bidirectional multimodal prefixes not supported (attention is causal)"
+        named = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(kv_cache_dtype))
+        if named is not None and named != dtype:
+            return f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}"
         return None
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        # The CUDA kernels are built for sm_90a; a build without them runs the PyTorch
+        # reference on any device.
+        if capability is None or not _kernels_built():
+            return True
+        return (capability.major, capability.minor) == (9, 0)
 
 
 NULL_BLOCK = 0
@@ -163,6 +177,10 @@ def cuda_graphs_available() -> bool:
     """
     if not getattr(PrefixAttention, "cuda_graph_safe", False):
         return False
+    return _kernels_built()
+
+
+def _kernels_built() -> bool:
     from prefixattn import _ops
 
     try:
@@ -263,7 +281,11 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         model_config = vllm_config.model_config
-        self.num_qo_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+        # This group's own layers (a draft model's, or a model whose layers differ), else
+        # the model's.
+        self.num_qo_heads = get_num_attention_heads_from_layers(
+            vllm_config, layer_names
+        ) or model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_dim = kv_cache_spec.head_size
         self.block_size = kv_cache_spec.block_size
@@ -347,6 +369,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         )
 
     def _build(self, cm: CommonAttentionMetadata, capture: bool) -> PrefixAttentionMetadata:
+        if cm.causal is not True:
+            raise NotImplementedError("prefixattn: non-causal attention is not supported")
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int32)
         q_lens = np.diff(qsl)
         # Trailing requests with no new token are full-graph padding: drop them.

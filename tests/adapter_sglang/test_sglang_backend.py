@@ -260,3 +260,40 @@ def test_refuses_sliding_window():
     )
     with pytest.raises(NotImplementedError, match="sliding window"):
         backend._check_layer(layer)
+
+
+def test_refuses_non_causal_layers():
+    # Encoder-only and bidirectional layers attend both ways; the plan is causal.
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    backend = PrefixAttnBackend(_runner(1, 4, 2, 64, max_reqs=2))
+    for kind in (AttentionType.ENCODER_ONLY, AttentionType.DECODER_BIDIRECTIONAL):
+        layer = RadixAttention(
+            num_heads=4, head_dim=64, scaling=0.125, num_kv_heads=2, layer_id=0, attn_type=kind
+        )
+        with pytest.raises(NotImplementedError, match=f"attention type {kind.value}"):
+            backend._check_layer(layer)
+    backend._check_layer(_layer(0, 4, 2, 64))  # a decoder layer is fine
+
+
+def test_refuses_an_hnd_pool_and_speculative_decoding():
+    runner = _runner(4, 4, 2, 64, max_reqs=2)
+    runner.token_to_kv_pool.kv_cache_layout = "hnd"  # what SGLANG_USE_HND_KVCACHE=1 sets
+    with pytest.raises(ValueError, match="layout 'hnd' is not supported"):
+        PrefixAttnBackend(runner)
+    runner = _runner(4, 4, 2, 64, max_reqs=2)
+    runner.spec_algorithm = SimpleNamespace(is_speculative=lambda: True)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        PrefixAttnBackend(runner)
+
+
+def test_refuses_features_passed_as_arguments():
+    backend = PrefixAttnBackend(_runner(1, 4, 2, 64, max_reqs=2))
+    layer = _layer(0, 4, 2, 64)
+    q = torch.zeros(1, 4 * 64)
+    kv = torch.zeros(1, 2, 64)
+    batch = SimpleNamespace(encoder_lens=None)
+    with pytest.raises(NotImplementedError, match="passes sinks"):
+        backend.forward_decode(q, kv, kv, layer, batch, sinks=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="save_kv_cache=False"):
+        backend.forward_extend(q, kv, kv, layer, batch, save_kv_cache=False)

@@ -263,6 +263,8 @@ def test_validate_configuration_accepts_supported() -> None:
         ({"has_sliding_window": True}, "sliding window not supported"),
         ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
         ({"use_non_causal": True}, "non-causal attention not supported"),
+        ({"use_mm_prefix": True}, "bidirectional multimodal prefixes not supported"),
+        ({"kv_cache_dtype": "float16"}, "differs from the model dtype"),
     ],
 )
 def test_validate_configuration_reports_unsupported(overrides: dict, reason: str) -> None:
@@ -275,3 +277,55 @@ def test_impl_refuses_unsupported_features() -> None:
         PrefixAttentionImpl(8, 128, 0.1, 2, sliding_window=128)
     with pytest.raises(NotImplementedError, match="ALiBi"):
         PrefixAttentionImpl(8, 128, 0.1, 2, alibi_slopes=[0.1] * 8)
+
+
+def test_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixattn import _ops
+
+    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: True)  # kernels for sm_90a
+    assert _reasons() == []
+    assert any(
+        "compute capability" in r for r in _reasons(device_capability=DeviceCapability(8, 0))
+    )
+    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: False)  # reference path only
+    assert _reasons(device_capability=DeviceCapability(8, 0)) == []
+
+
+def test_builder_takes_its_layers_head_count(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A group whose layers have another head count than the model (a draft model's).
+    from prefixattn.adapters import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "get_num_attention_heads_from_layers", lambda c, n: 16)
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["draft.0"], vllm_config, torch.device("cpu"))
+    assert builder.num_qo_heads == 16
+    monkeypatch.setattr(vllm_backend, "get_num_attention_heads_from_layers", lambda c, n: None)
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["layer.0"], vllm_config, torch.device("cpu"))
+    assert builder.num_qo_heads == NUM_QO_HEADS  # no layers registered: the model's count
+
+
+def test_builder_refuses_non_causal_batches(vllm_config: VllmConfig) -> None:
+    rng = torch.Generator().manual_seed(4)
+    batch = Batch(rng, 16, 3, False)
+    metadata = batch.metadata()
+    metadata.causal = False
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["layer.0"], vllm_config, torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        builder.build(0, metadata)
+
+
+def _spec() -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+
+
+def test_kernel_block_size_for_large_kv_blocks() -> None:
+    # vLLM's choice of kernel block size: a KV-manager block up to 128 is used as it is, a
+    # larger one (hybrid models) is split into the largest supported size that divides it.
+    from vllm.v1.worker.utils import select_common_block_size
+
+    assert select_common_block_size(16, [PrefixAttentionBackend]) == 16
+    assert select_common_block_size(24, [PrefixAttentionBackend]) == 24
+    assert select_common_block_size(528, [PrefixAttentionBackend]) == 88
