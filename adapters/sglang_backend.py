@@ -132,7 +132,8 @@ class PrefixAttnBackend(AttentionBackend):
         spec = getattr(model_runner, "spec_algorithm", None)
         if spec is not None and spec.is_speculative():
             raise ValueError("prefixattn: speculative decoding is not supported in SGLang yet")
-        if getattr(model_runner, "dllm_config", None) is not None:
+        server_args = getattr(model_runner, "server_args", None)
+        if getattr(server_args, "dllm_algorithm", None) is not None:
             raise ValueError("prefixattn: diffusion language models are not supported")
         self.core = self._new_core()
         self.graph_core: PrefixAttention | None = None

@@ -276,7 +276,7 @@ def test_refuses_non_causal_layers():
     backend._check_layer(_layer(0, 4, 2, 64))  # a decoder layer is fine
 
 
-def test_refuses_an_hnd_pool_and_speculative_decoding():
+def test_refuses_an_hnd_pool_speculative_and_diffusion_models():
     runner = _runner(4, 4, 2, 64, max_reqs=2)
     runner.token_to_kv_pool.kv_cache_layout = "hnd"  # what SGLANG_USE_HND_KVCACHE=1 sets
     with pytest.raises(ValueError, match="layout 'hnd' is not supported"):
@@ -284,6 +284,10 @@ def test_refuses_an_hnd_pool_and_speculative_decoding():
     runner = _runner(4, 4, 2, 64, max_reqs=2)
     runner.spec_algorithm = SimpleNamespace(is_speculative=lambda: True)
     with pytest.raises(ValueError, match="speculative decoding"):
+        PrefixAttnBackend(runner)
+    runner = _runner(4, 4, 2, 64, max_reqs=2)
+    runner.server_args = SimpleNamespace(dllm_algorithm="LowConfidence")
+    with pytest.raises(ValueError, match="diffusion"):
         PrefixAttnBackend(runner)
 
 
