@@ -49,6 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from prompt_trees import two_level_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_DIR = ROOT / "integration" / "vllm"
@@ -256,12 +257,7 @@ def make_requests(workload: str, seed: int = 0) -> dict[str, Any]:
         warm = [root]
         prompts = [root + toks(rng.randint(1, 64)) for _ in range(16)]
     elif workload == "multilevel":
-        for _ in range(2):
-            root = toks(700)
-            for _ in range(3):
-                child = root + toks(300)
-                warm.append(child)
-                prompts += [child + toks(rng.randint(1, 90)) for _ in range(4)]
+        warm, prompts = two_level_tree(rng, VOCAB)
         prompts.append(toks(33))
     elif workload == "forest":
         for _ in range(4):

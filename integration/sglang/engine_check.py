@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from prompt_trees import two_level_tree
 
 TOL = 0.05
 VOCAB = 8192
@@ -70,13 +71,7 @@ def prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]], list[int]]
     def toks(n: int) -> list[int]:
         return [rng.randrange(10, VOCAB) for _ in range(n)]
 
-    warm, checked = [], []
-    for _ in range(2):
-        root = toks(700)
-        for _ in range(3):
-            child = root + toks(300)
-            warm.append(child)
-            checked += [child + toks(rng.randint(1, 90)) for _ in range(4)]
+    warm, checked = two_level_tree(rng, VOCAB)
     checked += [toks(33), toks(1)]  # nothing shared; a one-token prompt
     return warm, checked, [8 + 8 * (i % 3) for i in range(len(checked))]
 
