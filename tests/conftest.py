@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
+
+INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """Import a script of integration/ (not a package) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @dataclasses.dataclass

@@ -4,24 +4,15 @@ gives the same greedy tokens as dense attention."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ENGINE = Path(__file__).resolve().parents[1] / "integration" / "custom_engine" / "engine.py"
+from conftest import INTEGRATION, load_script
 
 
 @pytest.fixture(scope="module")
 def engine_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("custom_engine", ENGINE)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["custom_engine"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("custom_engine", INTEGRATION / "custom_engine" / "engine.py")
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -3,25 +3,16 @@ selections, dry run, skip reasons, budget, reports, and the custom engine's cell
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-RUNNER = Path(__file__).resolve().parents[1] / "integration" / "matrix" / "run_matrix.py"
+from conftest import INTEGRATION, load_script
 
 
 @pytest.fixture(scope="module")
 def m():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("run_matrix", RUNNER)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_matrix"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("run_matrix", INTEGRATION / "matrix" / "run_matrix.py")
 
 
 @pytest.fixture

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[1] / "integration" / "trace_summary.py"
+from conftest import INTEGRATION, load_script
 
 
 @pytest.fixture(scope="module")
 def ts():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("trace_summary", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("trace_summary", INTEGRATION / "trace_summary.py")
 
 
 def _ev(name: str, cat: str, ts: float, dur: float) -> dict:

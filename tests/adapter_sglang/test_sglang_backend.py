@@ -136,6 +136,29 @@ def _layer(layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> R
     )
 
 
+def check_against_reference(pool, layer, rows, seq_lens, q, out, qo_indptr=None) -> None:  # type: ignore[no-untyped-def]
+    """``out`` equals plain attention over each request's KV gathered token by token from its
+    ``req_to_token`` row (a page-size-1 view of the pool)."""
+    heads, kv_heads, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+    token_table = torch.zeros(len(rows), MAX_CONTEXT, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        token_table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    k_tok = pool.get_key_buffer(layer.layer_id).view(-1, 1, kv_heads, d)
+    v_tok = pool.get_value_buffer(layer.layer_id).view(-1, 1, kv_heads, d)
+    expected = attention_reference(
+        q.view(-1, heads, d).double(),
+        k_tok.double(),
+        v_tok.double(),
+        token_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        qo_indptr,
+        scale=layer.scaling,
+    )
+    # fp32 inputs; the bound is a few ulps of fp32 times the softmax's accumulation depth.
+    tol = 8 * torch.finfo(DTYPE).eps * math.sqrt(MAX_CONTEXT)
+    torch.testing.assert_close(out.view(-1, heads, d).double(), expected, atol=tol, rtol=tol)
+
+
 def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2):
     head_dim = 64
     gen = torch.Generator().manual_seed(1234 + page_size)
@@ -207,9 +230,6 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
     assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
 
     qo_indptr = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
-    token_table = torch.zeros(bs, MAX_CONTEXT, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        token_table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
     for layer in layers:
         q = torch.randn(num_tokens, num_heads * head_dim, generator=gen, dtype=DTYPE)
         k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
@@ -219,21 +239,8 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
         # The new K/V went through set_kv_buffer.
         torch.testing.assert_close(pool.get_key_buffer(layer.layer_id)[out_cache_loc], k)
         torch.testing.assert_close(pool.get_value_buffer(layer.layer_id)[out_cache_loc], v)
-        k_tok = pool.get_key_buffer(layer.layer_id).view(-1, 1, num_kv_heads, head_dim)
-        v_tok = pool.get_value_buffer(layer.layer_id).view(-1, 1, num_kv_heads, head_dim)
-        expected = attention_reference(
-            q.view(num_tokens, num_heads, head_dim).double(),
-            k_tok.double(),
-            v_tok.double(),
-            token_table,
-            torch.tensor(seq_lens, dtype=torch.int32),
-            None if mode == "decode" else qo_indptr,
-            scale=layer.scaling,
-        )
-        # fp32 inputs; the bound is a few ulps of fp32 times the softmax's accumulation depth.
-        tol = 8 * torch.finfo(DTYPE).eps * math.sqrt(MAX_CONTEXT)
-        torch.testing.assert_close(
-            out.view(num_tokens, num_heads, head_dim).double(), expected, atol=tol, rtol=tol
+        check_against_reference(
+            pool, layer, rows, seq_lens, q, out, None if mode == "decode" else qo_indptr
         )
 
 

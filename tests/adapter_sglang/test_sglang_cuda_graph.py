@@ -32,10 +32,11 @@ from test_sglang_backend import (  # the autouse single-rank fixture comes along
     _rows,
     _runner,
     _single_rank,  # noqa: F401
+    check_against_reference,
 )
 
 import prefixattn._ops
-from prefixattn import PrefixAttention, attention_reference
+from prefixattn import PrefixAttention
 from prefixattn.adapters import sglang_backend
 from prefixattn.adapters.sglang_backend import PrefixAttnBackend, graph_reservation
 
@@ -174,9 +175,6 @@ def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
 
     fb = static[bs]
     assert fb.req_pool_indices[raw_bs:].eq(0).all()  # padding rows: row 0, slot 0
-    token_table = torch.zeros(raw_bs, MAX_CONTEXT, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        token_table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
     for layer in layers:
         q = torch.randn(bs, HEADS * HEAD_DIM, generator=gen, dtype=DTYPE)
         k = torch.randn(bs, KV_HEADS, HEAD_DIM, generator=gen, dtype=DTYPE)
@@ -188,21 +186,7 @@ def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
         torch.testing.assert_close(
             pool.get_key_buffer(layer.layer_id)[real.out_cache_loc], k[:raw_bs]
         )
-        k_tok = pool.get_key_buffer(layer.layer_id).view(-1, 1, KV_HEADS, HEAD_DIM)
-        v_tok = pool.get_value_buffer(layer.layer_id).view(-1, 1, KV_HEADS, HEAD_DIM)
-        expected = attention_reference(
-            q[:raw_bs].view(raw_bs, HEADS, HEAD_DIM).double(),
-            k_tok.double(),
-            v_tok.double(),
-            token_table,
-            torch.tensor(seq_lens, dtype=torch.int32),
-            None,
-            scale=layer.scaling,
-        )
-        tol = 8 * torch.finfo(DTYPE).eps * math.sqrt(MAX_CONTEXT)
-        torch.testing.assert_close(
-            out[:raw_bs].view(raw_bs, HEADS, HEAD_DIM).double(), expected, atol=tol, rtol=tol
-        )
+        check_against_reference(pool, layer, rows, seq_lens, q[:raw_bs], out[:raw_bs])
 
 
 def _graph_backend():

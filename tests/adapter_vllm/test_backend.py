@@ -31,6 +31,12 @@ from prefixattn.adapters.vllm_backend import (
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
 
 
+def _spec(dtype: torch.dtype = torch.float32, block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=dtype
+    )
+
+
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
     """A real VllmConfig for a small Llama described by a local config.json (no weights)."""
@@ -155,10 +161,9 @@ def test_builder_and_forward_match_plain_attention(
 ) -> None:
     rng = torch.Generator().manual_seed(seed * 1000 + block_size * 10 + num_reqs)
     batch = Batch(rng, block_size, num_reqs, mixed)
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=dtype
+    builder = PrefixAttentionMetadataBuilder(
+        _spec(dtype, block_size), ["layer.0"], vllm_config, torch.device("cpu")
     )
-    builder = PrefixAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=batch.metadata(pad))
 
     shape = PrefixAttentionBackend.get_kv_cache_shape(
@@ -219,11 +224,8 @@ def test_profiling_run_without_metadata(vllm_config: VllmConfig) -> None:
 def test_one_plan_per_step_shared_by_layers(vllm_config: VllmConfig) -> None:
     rng = torch.Generator().manual_seed(5)
     batch = Batch(rng, 16, 8, True)
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32
-    )
     builder = PrefixAttentionMetadataBuilder(
-        spec, ["layer.0", "layer.1"], vllm_config, torch.device("cpu")
+        _spec(), ["layer.0", "layer.1"], vllm_config, torch.device("cpu")
     )
     metadata = builder.build(0, batch.metadata())
     assert metadata.plan is builder.attention.last_plan
@@ -313,12 +315,6 @@ def test_builder_refuses_non_causal_batches(vllm_config: VllmConfig) -> None:
     builder = PrefixAttentionMetadataBuilder(_spec(), ["layer.0"], vllm_config, torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="non-causal"):
         builder.build(0, metadata)
-
-
-def _spec() -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32
-    )
 
 
 def test_kernel_block_size_for_large_kv_blocks() -> None:

@@ -477,13 +477,21 @@ def _capture(builder: PrefixAttentionMetadataBuilder, monkeypatch: pytest.Monkey
         _forward(metadata, _cache(torch.Generator().manual_seed(0)), 8)
 
 
+def _builder_with_generation(
+    graph_config: VllmConfig, monkeypatch: pytest.MonkeyPatch, start: int
+) -> tuple[PrefixAttentionMetadataBuilder, list[int]]:
+    """A builder whose cores report ``generation[0]`` as their buffers' generation."""
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], graph_config, torch.device("cpu"))
+    generation = [start]
+    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    return builder, generation
+
+
 def test_stale_graph_buffers_raise(
     graphs_on: None, graph_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = torch.Generator().manual_seed(8)
-    builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], graph_config, torch.device("cpu"))
-    generation = [3]
-    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    builder, generation = _builder_with_generation(graph_config, monkeypatch, 3)
     _capture(builder, monkeypatch)
     assert builder.graph.captured_generation == 3
     decode = Step(rng, 5, q_len=1)
@@ -501,9 +509,7 @@ def test_stale_graph_buffers_raise(
 def test_growth_between_captures_raises(
     graphs_on: None, graph_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], graph_config, torch.device("cpu"))
-    generation = [0]
-    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    builder, generation = _builder_with_generation(graph_config, monkeypatch, 0)
     _capture(builder, monkeypatch)
     _capture(builder, monkeypatch)  # unchanged: fine
     generation[0] = 1
@@ -515,9 +521,7 @@ def test_no_check_before_capture(
     graphs_on: None, graph_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = torch.Generator().manual_seed(9)
-    builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], graph_config, torch.device("cpu"))
-    generation = [0]
-    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    builder, generation = _builder_with_generation(graph_config, monkeypatch, 0)
     builder.build(0, Step(rng, 5, q_len=1).metadata())
     generation[0] = 1  # growth before any graph exists is harmless
     builder.build(0, Step(rng, 5, q_len=1).metadata())
