@@ -226,3 +226,33 @@ def test_custom_cell_catches_wrong_attention(m, monkeypatch) -> None:  # type: i
     monkeypatch.setattr(m.DenseAttention, "run", lambda self, q, k, v: run(self, q * 8, k, v))
     bad = m.run_custom(cell, "dense", req, device="cpu", shape=TINY, block_size=4, init_std=STD)
     assert m.judge(cell, bad, got)["status"] == "fail"
+
+
+def test_model_config_fits_every_head_config(m) -> None:  # type: ignore[no-untyped-def]
+    for heads in m.AXES["heads"]:
+        for d in m.AXES["head_dim"]:
+            cfg = m.model_config(m.Cell("vllm", heads, d, "none", "off", 1))
+            assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
+            assert cfg["hidden_size"] % 64 == 0 and cfg["hidden_size"] >= 1024
+    assert m.hidden_size(28) == 1344 and m.hidden_size(32) == 1024
+
+
+def test_model_is_written_before_the_engines_start(m, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    calls: list[str] = []
+
+    def fake(cell, backend, work, models, timeout):  # type: ignore[no-untyped-def]
+        calls.append(backend)
+        if backend == m.MAKE_MODEL and cell.workload == "forest":
+            return {"error": "model exited 1 after 2.0 s", "timed_out": False}
+        return {"outputs": [], "info": {}, "step_ms": 1.0}
+
+    monkeypatch.setattr(m, "run_subprocess", fake)
+    monkeypatch.setattr(m, "judge", lambda cell, ref, got: {"ref": ref, "got": got})
+    m.run_cell(m.Cell("vllm", "28/4", 128, "none", "on", 1), tmp_path, tmp_path, 400)
+    assert calls == [m.MAKE_MODEL, "FLASH_ATTN", "CUSTOM"]
+    calls.clear()
+    r = m.run_cell(m.Cell("sglang", "32/8", 128, "forest", "on", 1), tmp_path, tmp_path, 400)
+    assert calls == [m.MAKE_MODEL] and "error" in r["ref"]
+    calls.clear()
+    m.run_cell(m.Cell("custom", "32/8", 128, "forest", "off", 1), tmp_path, tmp_path, 60)
+    assert calls == ["dense", "prefixattn"]

@@ -55,3 +55,15 @@ def test_importing_prefixattn_does_not_import_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_matrix_models_are_valid_llama_configs() -> None:
+    """Every head configuration of the integration matrix gives a config transformers takes."""
+    from conftest import INTEGRATION, load_script
+    from transformers import LlamaConfig
+
+    m = load_script("run_matrix", INTEGRATION / "matrix" / "run_matrix.py")
+    for heads in m.AXES["heads"]:
+        for d in m.AXES["head_dim"]:
+            cfg = LlamaConfig(**m.model_config(m.Cell("vllm", heads, d, "none", "off", 1)))
+            assert cfg.head_dim == d
