@@ -17,6 +17,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,18 @@ class _Timer:
         # Larger than the H200's 60 MB L2: writing it evicts the KV cache between calls.
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
+    # Untimed calls before timing: at least this many, for at least this long, so the GPU's
+    # clocks have ramped up after a configuration's setup.
+    WARMUP_CALLS, WARMUP_S = 3, 0.02
+
     def median_us(self, fn: Callable[[], object]) -> float:
         torch = self.torch
-        fn()
-        torch.cuda.synchronize()
+        calls, start = 0, time.perf_counter()
+        while calls < self.WARMUP_CALLS or time.perf_counter() - start < self.WARMUP_S:
+            self.flush.zero_()
+            fn()
+            torch.cuda.synchronize()
+            calls += 1
         times = []
         for _ in range(self.iters):
             self.flush.zero_()

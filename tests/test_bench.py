@@ -77,3 +77,37 @@ def test_cascade_levels_refuse_a_leaf_of_different_lengths() -> None:
     plan = PrefixAttention(8, 2, 64, 2).plan(table, lens)
     with pytest.raises(ValueError, match="different lengths"):
         cascade_levels(plan.forest, table, lens, 2)
+
+
+def test_timer_warms_up_before_timing() -> None:
+    """Each timed function gets untimed calls first (at least WARMUP_CALLS, for at least
+    WARMUP_S), each after an L2 flush, then exactly ``iters`` timed calls."""
+    from types import SimpleNamespace
+
+    from prefixattn.bench import _Timer
+
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = float(len(log))
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    buf = SimpleNamespace(zero_=lambda: log.append("flush"))
+    fake = SimpleNamespace(
+        empty=lambda *a, **k: buf, uint8=None,
+        cuda=SimpleNamespace(synchronize=lambda: None, Event=Event),
+    )
+    timer = _Timer(fake, iters=5)
+    timer.median_us(lambda: log.append("call"))
+    calls = [i for i, x in enumerate(log) if x == "call"]
+    assert len(calls) >= 5 + _Timer.WARMUP_CALLS
+    assert all(log[i - 1] == "flush" for i in calls)
