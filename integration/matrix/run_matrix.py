@@ -35,8 +35,8 @@ import argparse
 import dataclasses
 import importlib.util
 import itertools
-import math
 import json
+import math
 import os
 import random
 import signal
