@@ -103,7 +103,8 @@ def test_timer_warms_up_before_timing() -> None:
 
     buf = SimpleNamespace(zero_=lambda: log.append("flush"))
     fake = SimpleNamespace(
-        empty=lambda *a, **k: buf, uint8=None,
+        empty=lambda *a, **k: buf,
+        uint8=None,
         cuda=SimpleNamespace(synchronize=lambda: None, Event=Event),
     )
     timer = _Timer(fake, iters=5)

@@ -88,17 +88,18 @@ WORKLOAD_KNOBS: dict[str, dict[str, int]] = {"mixed": {"chunk": 256}, "arrivals"
 VOCAB = 8192
 MODEL_SHAPE = {"hidden": 1024, "intermediate": 2816, "layers": 4}
 
+N1, N2 = 4, 20  # decode step time: generations of N1 and N2 tokens
+# Rough seconds one cell needs (both backends), used for --budget and the default timeout.
+ESTIMATE_S = {("vllm", "on"): 200, ("vllm", "off"): 120, ("sglang", "on"): 150,
+              ("sglang", "off"): 110, ("custom", "on"): 60, ("custom", "off"): 60}  # fmt: skip
+TP_EXTRA_S = 60
+
 
 def hidden_size(num_qo_heads: int) -> int:
     """The smallest multiple of both the head count and 64 that is at least 1024: transformers
     needs the hidden size divisible by the head count (28 heads: 1344)."""
     step = math.lcm(num_qo_heads, 64)
     return -(-MODEL_SHAPE["hidden"] // step) * step
-N1, N2 = 4, 20  # decode step time: generations of N1 and N2 tokens
-# Rough seconds one cell needs (both backends), used for --budget and the default timeout.
-ESTIMATE_S = {("vllm", "on"): 200, ("vllm", "off"): 120, ("sglang", "on"): 150,
-              ("sglang", "off"): 110, ("custom", "on"): 60, ("custom", "off"): 60}  # fmt: skip
-TP_EXTRA_S = 60
 
 
 @dataclasses.dataclass(frozen=True)
