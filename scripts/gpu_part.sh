@@ -16,7 +16,9 @@ echo "== $name: exit $rc after $((SECONDS - start)) s" >>"$logs/$name.log"
 nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
 sleep 2
 if [[ -n ${OUT:-} ]]; then
-  tar -czf "$OUT/$name.tgz" -C "$logs" "$name" "$name.log" 2>/dev/null
+  # Logs and reports only: model weights would make the archive too big to bring back.
+  tar -czf "$OUT/$name.tgz" --exclude='models' --exclude='*.safetensors' --exclude='*.bin' \
+    -C "$logs" "$name" "$name.log" 2>/dev/null
 fi
 tail -n 60 "$logs/$name.log"
 exit $rc
