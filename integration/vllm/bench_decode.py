@@ -213,10 +213,15 @@ def main() -> int:
         code = run_in_group(cmd, timeout)
         data = json.loads(result.read_text()) if result.exists() else {}
         results["step_ms"][backend] = data.pop("step_ms", {})
+        # The worker's last write (``info_after``) comes after every measurement: an engine
+        # that then overruns its time in shutdown still measured everything.
+        finished = "info_after" in data
         results["engine"][backend] = {
-            "exit": code, "wall_s": round(time.monotonic() - t0, 1), **data,
+            "exit": code, "finished": finished, "wall_s": round(time.monotonic() - t0, 1),
+            **data,
         }  # fmt: skip
-        print(f"{backend}: exit {code}", flush=True)
+        late = " (after its last measurement)" if finished and code != 0 else ""
+        print(f"{backend}: exit {code}{late}", flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
     # Speed-up of CUSTOM over each other backend, per workload and batch.
     custom = results["step_ms"].get("CUSTOM", {})
@@ -237,7 +242,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(json.dumps(results["step_ms"]), flush=True)
     complete = all(
-        results["engine"][b]["exit"] == 0 and results["step_ms"][b] for b in args.backends
+        results["engine"][b]["finished"] and results["step_ms"][b] for b in args.backends
     )
     return 0 if complete else 1
 
