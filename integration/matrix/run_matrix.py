@@ -87,7 +87,6 @@ WORKLOAD_KNOBS: dict[str, dict[str, int]] = {"mixed": {"chunk": 256}, "arrivals"
 
 VOCAB = 8192
 MODEL_SHAPE = {"hidden": 1024, "intermediate": 2816, "layers": 4}
-
 N1, N2 = 4, 20  # decode step time: generations of N1 and N2 tokens
 # Rough seconds one cell needs (both backends), used for --budget and the default timeout.
 ESTIMATE_S = {("vllm", "on"): 200, ("vllm", "off"): 120, ("sglang", "on"): 150,
