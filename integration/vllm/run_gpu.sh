@@ -7,6 +7,9 @@
 # Usage, from the repository root on the GPU machine:
 #   export PYTHONPATH=/root/site            # vLLM 0.26.0 + FlashInfer, staged there
 #   bash integration/vllm/run_gpu.sh [check] [serve] [bench]      # no argument: all three
+# On a fresh machine the first engine compiles for about 2 minutes, which the check's share of
+# the default budget cannot absorb: there, run `check` in one command and `serve bench` in
+# the next (BUDGET=570 each).
 # The project must already be installed in $SITE (default /tmp/site), built against the image's
 # torch without the staged packages on the path, e.g.
 #   env -u PYTHONPATH pip install -q --no-build-isolation --no-deps --target /tmp/site .
