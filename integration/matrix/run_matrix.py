@@ -305,7 +305,7 @@ def describe(cell: Cell) -> str:
     """What a cell would run (``--dry-run``)."""
     req = make_requests(cell.workload)
     knobs = ", ".join(f"{k}={v}" for k, v in req["knobs"].items()) or "engine defaults"
-    model = (f"Llama {MODEL_SHAPE['layers']} layers, hidden {MODEL_SHAPE['hidden']}, "
+    model = (f"Llama {MODEL_SHAPE['layers']} layers, hidden {hidden_size(cell.num_qo_heads)}, "
              f"{cell.num_qo_heads}/{cell.num_kv_heads} heads, head_dim {cell.head_dim}")  # fmt: skip
     return (
         f"{cell.engine}: {OUR_BACKEND[cell.engine]} vs {default_backend(cell)}; {model}; "
