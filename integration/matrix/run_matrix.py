@@ -388,6 +388,9 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
         gpu_memory_utilization=0.5, max_model_len=4096, max_num_seqs=max_seqs,
         enable_prefix_caching=True, seed=0,
     )  # fmt: skip
+    if cell.tp > 1:
+        # The custom all-reduce (CUDA IPC) faulted on the 2-GPU machine: NCCL carries it.
+        kwargs["disable_custom_all_reduce"] = True
     if cell.graphs == "on":
         sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 64) if s <= max_seqs]
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
@@ -424,7 +427,7 @@ def run_sglang(cell: Cell, backend: str, model: str, req: dict) -> dict:
         disable_cuda_graph=cell.graphs == "off", cuda_graph_max_bs_decode=32,
         mem_fraction_static=0.5, context_length=4096,
         max_running_requests=req["knobs"].get("max_seqs", 64), random_seed=0, log_level="info",
-        decode_log_interval=1, tp_size=cell.tp,
+        decode_log_interval=1, tp_size=cell.tp, disable_custom_all_reduce=cell.tp > 1,
     )  # fmt: skip
     if "chunk" in req["knobs"]:
         kwargs.update(chunked_prefill_size=req["knobs"]["chunk"], enable_mixed_chunk=True)
