@@ -90,24 +90,49 @@ class _Timer:
     # clocks have ramped up after a configuration's setup.
     WARMUP_CALLS, WARMUP_S = 3, 0.02
 
-    def median_us(self, fn: Callable[[], object]) -> float:
-        torch = self.torch
+    def _warm(self, fn: Callable[[], object]) -> None:
         calls, start = 0, time.perf_counter()
         while calls < self.WARMUP_CALLS or time.perf_counter() - start < self.WARMUP_S:
             self.flush.zero_()
             fn()
-            torch.cuda.synchronize()
+            self.torch.cuda.synchronize()
             calls += 1
-        times = []
-        for _ in range(self.iters):
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times)
+
+    def _once_us(self, fn: Callable[[], object]) -> float:
+        torch = self.torch
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end) * 1e3)
+
+    def median_us(self, fn: Callable[[], object]) -> float:
+        self._warm(fn)
+        return statistics.median(self._once_us(fn) for _ in range(self.iters))
+
+    def interleaved_us(
+        self, fns: dict[str, Callable[[], object]]
+    ) -> tuple[dict[str, float], dict[str, str]]:
+        """Median microseconds of each function, timed in ``iters`` rounds that call every
+        function once, each round starting one function later than the previous one. A drift
+        of the GPU's clocks or memory state during a configuration then spreads over all
+        functions instead of favouring those timed last. A function that raises while warming
+        up is left out; its error is returned instead."""
+        errors: dict[str, str] = {}
+        for name, fn in fns.items():
+            try:
+                self._warm(fn)
+            except Exception as e:
+                errors[name] = str(e)[:200]
+        names = [n for n in fns if n not in errors]
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(self.iters):
+            k = i % max(1, len(names))
+            for name in names[k:] + names[:k]:
+                times[name].append(self._once_us(fns[name]))
+        return {n: statistics.median(t) for n, t in times.items()}, errors
 
 
 def hbm_bandwidth(torch, timer: _Timer) -> float:
@@ -240,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants: list[tuple[str, Variant]] = [("prefixattn", MAIN)]
         if args.ablations is not None:
             variants += [(n, ABLATIONS[n]) for n in args.ablations or ABLATIONS]
+        calls: dict[str, Callable[[], object]] = {}
         for name, (packing, split, target, prefetch, fixed, concurrent) in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
@@ -248,11 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
-            call = functools.partial(
+            calls[name] = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
             )  # fmt: skip
-            row[f"{name}_us"] = timer.median_us(call)
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
@@ -261,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["tiles"] = plan.summary()
         if fi is not None and ps > 0:
             try:
-                row["fi_decode_us"] = timer.median_us(
-                    _flashinfer_decode(torch, fi, table, lens, ps, hq, hkv, d, q, k, v)
+                calls["fi_decode"] = _flashinfer_decode(
+                    torch, fi, table, lens, ps, hq, hkv, d, q, k, v
                 )
             except Exception as e:
                 row["fi_decode_error"] = str(e)[:200]
@@ -275,9 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["fi_cascade_max_diff"] = diff
                 if not diff <= 0.05 * max(1.0, float(out.float().abs().max())):
                     raise RuntimeError(f"cascade output differs from prefixattn's by {diff}")
-                row["fi_cascade_us"] = timer.median_us(call)
+                calls["fi_cascade"] = call
             except Exception as e:
                 row["fi_cascade_error"] = str(e)[:200]
+        # Every variant and baseline of a configuration in the same interleaved rounds.
+        timed, errors = timer.interleaved_us(calls)
+        if "prefixattn" in errors:
+            raise RuntimeError(f"prefixattn failed on {spec} {hq},{hkv}: {errors['prefixattn']}")
+        row.update({f"{n}_us": us for n, us in timed.items()})
+        row.update({f"{n}_error": e for n, e in errors.items()})
         row["pct_floor"] = 100 * row["floor_us"] / row["prefixattn_us"]
         rows.append(row)
         extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))

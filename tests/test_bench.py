@@ -112,3 +112,21 @@ def test_timer_warms_up_before_timing() -> None:
     calls = [i for i, x in enumerate(log) if x == "call"]
     assert len(calls) >= 5 + _Timer.WARMUP_CALLS
     assert all(log[i - 1] == "flush" for i in calls)
+
+    # Interleaved: every function warmed up, then rounds with a rotating start; a function
+    # that fails is reported and not timed.
+    log.clear()
+
+    def fail() -> None:
+        raise RuntimeError("unsupported here")
+
+    fns = {n: (lambda n=n: log.append(n)) for n in "abc"}
+    times, errors = timer.interleaved_us({**fns, "x": fail})
+    assert errors == {"x": "unsupported here"} and set(times) == set("abc")
+    timed = [x for x in log if x != "flush"]
+    warm = len(timed) - 3 * 5
+    assert warm >= 3 * _Timer.WARMUP_CALLS
+    rounds = [timed[warm + 3 * i : warm + 3 * i + 3] for i in range(5)]
+    assert rounds == [list("abc"), list("bca"), list("cab"), list("abc"), list("bca")]
+    # The fake clock: one log entry (the call itself) between the two events = 1 ms.
+    assert all(t == 1e3 for t in times.values())

@@ -166,6 +166,42 @@ def test_markdown(m, tmp_path, no_out) -> None:  # type: ignore[no-untyped-def]
     assert json.loads(js.read_text())["summary"] == {"pass": 1, "fail": 1, "timeout": 1, "skip": 1}
 
 
+def test_merge(m, tmp_path, no_out) -> None:  # type: ignore[no-untyped-def]
+    cells = m.select("smoke")
+    a, b = cells[0], cells[1]
+
+    def row(cell, status, why=""):  # type: ignore[no-untyped-def]
+        return {"cell": cell.id, **m.dataclasses.asdict(cell), "status": status, "why": why}
+
+    def report(date, *rows):  # type: ignore[no-untyped-def]
+        return {"select": "smoke", "machine": "1 x H200", "date": date, "tol": 0.05,
+                "cells": list(rows)}  # fmt: skip
+
+    first = report("d1", row(b, "pass"), row(a, "timeout", "slow"))
+    second = report("d2", row(a, "pass"), row(b, "skip", "budget"))
+    results, meta = m.merge_reports([first, second], {b.id: "seen in the log"})
+    # Selection order; a later run wins, except that a skip never replaces a run.
+    assert [r["cell"] for r in results] == [a.id, b.id]
+    assert [r["status"] for r in results] == ["pass", "pass"]
+    assert results[1]["why"] == "seen in the log"
+    assert meta["runs"] == ["1 x H200, d1", "1 x H200, d2"]
+    assert "merged from runs on 1 x H200, d1; 1 x H200, d2" in m.markdown(results, meta)
+    with pytest.raises(SystemExit, match="no-such-cell"):
+        m.merge_reports([first], {"no-such-cell": "x"})
+    # The command line: reports in, one report out.
+    paths = []
+    for i, rep in enumerate((first, second)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(rep))
+    md, js = tmp_path / "m.md", tmp_path / "m.json"
+    args = ["--merge", *map(str, paths), "--out-md", str(md), "--out-json", str(js),
+            "--note", f"{a.id}=x=y"]  # fmt: skip
+    assert m.main(args) == 0
+    out = json.loads(js.read_text())
+    assert out["summary"]["pass"] == 2 and out["cells"][0]["why"] == "x=y"
+    assert md.read_text().count(f"| {a.id} |") == 1
+
+
 def test_workloads(m) -> None:  # type: ignore[no-untyped-def]
     for w in m.AXES["workload"]:
         req = m.make_requests(w)

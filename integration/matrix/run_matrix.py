@@ -388,12 +388,21 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
         gpu_memory_utilization=0.5, max_model_len=4096, max_num_seqs=max_seqs,
         enable_prefix_caching=True, seed=0,
     )  # fmt: skip
+    compilation: dict[str, Any] = {}
     if cell.tp > 1:
-        # The custom all-reduce (CUDA IPC) faulted on the 2-GPU machine: NCCL carries it.
+        # Plain NCCL all-reduce only. With tensor parallelism vLLM otherwise fuses the
+        # all-reduce with RMSNorm through FlashInfer's "mnnvl" workspace, which needs NVLink
+        # multicast: on a 2-GPU machine without it both backends faulted (illegal memory
+        # access, then CUBLAS_STATUS_INTERNAL_ERROR) before serving.
+        os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        os.environ["VLLM_ALLREDUCE_USE_FLASHINFER"] = "0"
         kwargs["disable_custom_all_reduce"] = True
+        compilation["pass_config"] = {"fuse_allreduce_rms": False}
     if cell.graphs == "on":
         sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 64) if s <= max_seqs]
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        compilation["cudagraph_capture_sizes"] = sizes
+    if compilation:
+        kwargs["compilation_config"] = compilation
     if "chunk" in req["knobs"]:
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=req["knobs"]["chunk"])
     t0 = time.perf_counter()
@@ -688,8 +697,13 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines = [
         "# Integration matrix",
         "",
-        f"Selection `{meta.get('select')}`, {meta.get('machine', '?')}, "
-        f"{meta.get('date', '?')}. Correctness: greedy tokens and logprobs against the "
+        f"Selection `{meta.get('select')}`, "
+        + (
+            f"merged from runs on {'; '.join(meta['runs'])}"
+            if meta.get("runs")
+            else f"{meta.get('machine', '?')}, {meta.get('date', '?')}"
+        )
+        + ". Correctness: greedy tokens and logprobs against the "
         f"engine's default backend (tolerance {meta.get('tol', '?')} nats, rule of "
         f"`integration/vllm/check_engine.py`); step time: decode step, ms.",
         "",
@@ -724,6 +738,29 @@ def write_reports(results: list[dict], meta: dict, md: Path, js: Path) -> None:
     if out and Path(out).is_dir() and Path(out).resolve() != md.parent.resolve():
         (Path(out) / md.name).write_text(md.read_text())
         (Path(out) / js.name).write_text(js.read_text())
+
+
+def merge_reports(reports: list[dict], notes: dict[str, str]) -> tuple[list[dict], dict]:
+    """One report from several runs' JSON reports, in the order given. Per cell, a later
+    run's row replaces an earlier one, except that a ``skip`` never replaces a row that ran.
+    ``notes`` (cell id -> text) are appended to a row's ``why``: what a log showed."""
+    rows: dict[str, dict] = {}
+    for rep in reports:
+        for row in rep["cells"]:
+            old = rows.get(row["cell"])
+            if old is None or row["status"] != "skip" or old["status"] == "skip":
+                rows[row["cell"]] = dict(row)
+    unknown = sorted(set(notes) - set(rows))
+    if unknown:
+        raise SystemExit(f"--note names cells that are in no report: {', '.join(unknown)}")
+    for cell, text in notes.items():
+        why = rows[cell].get("why") or ""
+        rows[cell]["why"] = f"{why}; {text}" if why else text
+    order = {c.id: i for i, c in enumerate(select(reports[-1].get("select") or "smoke"))}
+    results = sorted(rows.values(), key=lambda r: order.get(r["cell"], len(order)))
+    runs = sorted({f"{r.get('machine', '?')}, {r.get('date', '?')}" for r in reports})
+    meta = {"select": reports[-1].get("select"), "runs": runs, "tol": reports[-1].get("tol")}
+    return results, meta
 
 
 def machine() -> str:
@@ -784,6 +821,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-json", type=Path, default=ROOT / "docs" / "results" / "matrix.json")
     ap.add_argument("--work", help="folder for logs and models (default $OUT or a temp dir)")
     ap.add_argument("--dry-run", action="store_true", help="print the cells and what each runs")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="combine earlier runs' JSON reports (later ones win per cell) into "
+                    "--out-md/--out-json instead of running")  # fmt: skip
+    ap.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        metavar="CELL=TEXT",
+        help="with --merge: append TEXT to a cell's 'why' (repeatable)",
+    )
     ap.add_argument("--engine-run", nargs=2, metavar=("CELL", "BACKEND"), help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--models", type=Path, help=argparse.SUPPRESS)
@@ -795,6 +842,14 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(data))
         return 0
 
+    if args.merge:
+        notes = dict(n.split("=", 1) for n in args.note)
+        reports = [json.loads(p.read_text()) for p in args.merge]
+        results, meta = merge_reports(reports, notes)
+        write_reports(results, meta, args.out_md, args.out_json)
+        s = summary(results)
+        print(f"merged: {len(results)} cells, " + ", ".join(f"{v} {k}" for k, v in s.items()))
+        return 0
     cells = select(args.select, args.engines, args.cells)
     if args.dry_run:
         for cell in cells:
