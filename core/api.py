@@ -14,7 +14,7 @@ from .native_plan import build_plan_native, native_plan_available
 from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, pack
 from .plan import LaunchPlan
 from .reference import run_plan_reference
-from .tiles import SUPPORTED_HEAD_DIMS, tile_table
+from .tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
 
 KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 128
@@ -143,6 +143,8 @@ class PrefixAttention:
         self.page_size = page_size
         self.kv_layout = kv_layout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {self.device} requested but CUDA is not available")
         self.dtype = dtype
         self.tiles = tile_table(head_dim)
         self._shape = BatchShape(
@@ -171,6 +173,11 @@ class PrefixAttention:
         count, read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items
         are split only while their pairs fill at most half of it (``prefixattn.packer``); 0
         splits every long item."""
+        self.one_launch_in_one_wave = True
+        """When all (work item, KV head) pairs of a plan fit in one wave (at most
+        ``split_target``), give every item the plan's largest tile height, so that the
+        forward kernels run as one launch instead of one per height (docs/kernel-notes.md,
+        v8). False: each item keeps its own tile height."""
 
     cuda_graph_safe = True
     """With the CUDA kernels, :meth:`run` may be captured in a CUDA graph: under capture it
@@ -255,15 +262,17 @@ class PrefixAttention:
         Device tensors are copied to the host (one sync); engines that keep host copies of
         their block tables should pass those.
         """
+        if not isinstance(split_kv, bool):
+            raise TypeError(f"split_kv must be a bool, got {type(split_kv).__name__}")
         table = _host_int_array("block_table", block_table, ndim=2)
-        lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64)
+        lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64, copy=False)
         b = table.shape[0]
         if lens.shape[0] != b:
             raise ValueError(f"seq_lens has {lens.shape[0]} entries but block_table has {b} rows")
         if qo_indptr is None:
             indptr = np.arange(b + 1, dtype=np.int64)
         else:
-            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64)
+            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64, copy=False)
             if indptr.shape[0] != b + 1:
                 raise ValueError(
                     f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
@@ -271,6 +280,7 @@ class PrefixAttention:
         if packing not in PACKINGS:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
+        table = _int32_page_ids(table, lens, self.page_size)
 
         if self.split_target is None:
             self.split_target = _split_target(self.device)
@@ -279,18 +289,31 @@ class PrefixAttention:
                 f"split_target must be a non-negative int (0: split every long item), got "
                 f"{self.split_target!r}"
             )
-        if self.native_plan and native_plan_available():
-            forest, host, tiles, tile_indptr, acc = build_plan_native(
-                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
-                self.split_target,
-            )  # fmt: skip
-        else:
+
+        target: int = self.split_target
+
+        def build(table_of_tiles: TileTable) -> tuple[Any, Any, Any, Any, Any]:
+            if self.native_plan and native_plan_available():
+                return build_plan_native(
+                    table, lens, indptr, self.page_size, self._shape, table_of_tiles, packing,
+                    split_kv, target,
+                )  # fmt: skip
             # Requests without new tokens (padding) take no part in the forest.
             forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
-            host, tiles, tile_indptr, acc = pack(
-                forest, table, lens, indptr, self._shape, self.tiles, packing, split_kv,
-                self.split_target,
+            return forest, *pack(
+                forest, table, lens, indptr, self._shape, table_of_tiles, packing, split_kv,
+                target,
             )  # fmt: skip
+
+        forest, host, tiles, tile_indptr, acc = build(self.tiles)
+        heights = sorted({m for m, _ in tiles})
+        pairs = len(host.kv_len) * self.num_kv_heads
+        if self.one_launch_in_one_wave and len(heights) > 1 and pairs <= target:
+            # The whole plan fits in one wave: one tile height (the largest in use) for every
+            # item makes the forward one launch instead of one per height. Every item already
+            # fits that height, so the items, chunks and splits stay as they are.
+            one = TileTable(m_sizes=(heights[-1],), n_by_kv_len=self.tiles.n_by_kv_len)
+            forest, host, tiles, tile_indptr, acc = build(one)
         _check_pages(host.kv_pages, table, lens, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
@@ -382,9 +405,9 @@ class PrefixAttention:
         if plan is None:
             raise RuntimeError("PrefixAttention.run called before plan()")
         self._check_run_inputs(plan, q, k_cache, v_cache, out)
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _check_scale(scale)
         if out is None:
             out = torch.empty_like(q)
-        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         if self.use_kernels and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             from . import _ops  # loads the compiled library on first use
 
@@ -407,8 +430,20 @@ class PrefixAttention:
         v_cache: torch.Tensor,
         out: torch.Tensor | None,
     ) -> None:
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor):
+        if not isinstance(plan, LaunchPlan):
+            raise TypeError(f"plan must be a LaunchPlan, got {type(plan).__name__}")
+        mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                self.kv_layout)  # fmt: skip
+        theirs = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
+                  plan.kv_layout)  # fmt: skip
+        if mine != theirs:
+            names = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_layout")
+            diff = ", ".join(
+                f"{n} {b!r} vs {a!r}" for n, a, b in zip(names, mine, theirs, strict=True) if a != b
+            )
+            raise ValueError(f"the plan was built for another geometry than this object: {diff}")
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+            if not isinstance(t, torch.Tensor) and not (name == "out" and t is None):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if q.dim() != 3:
             raise ValueError(
@@ -467,6 +502,13 @@ class PrefixAttention:
                 )
             if out.stride(-1) != 1:
                 raise ValueError("out must have a contiguous last dimension")
+            if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape, strict=True)):
+                raise ValueError(
+                    "out has overlapping elements (a stride of 0): it cannot be written"
+                )
+            if out.requires_grad:
+                raise ValueError("out requires grad; pass a tensor that does not (attention "
+                                 "here is inference only)")  # fmt: skip
 
 
 class CapturedBuffers:
@@ -525,11 +567,17 @@ def _layout_doc(layout: str) -> str:
     return "[num_pages, num_kv_heads, page_size, head_dim]"
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
-    """A host int64 copy of an int32 tensor/array argument, with its rank checked."""
+    """A C-contiguous host copy (int32 kept as is, other integer types as int64) of an
+    integer tensor/array argument, with its rank checked."""
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be an int32 tensor, got {value.dtype}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (it holds no values)")
         arr = value.detach().to("cpu").numpy()
     elif isinstance(value, np.ndarray):
         if not np.issubdtype(value.dtype, np.integer):
@@ -539,7 +587,37 @@ def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
-    return arr
+    if arr.dtype == np.int32:
+        return np.ascontiguousarray(arr)
+    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
+        at = tuple(int(i) for i in np.unravel_index(int(arr.argmax()), arr.shape))
+        raise ValueError(f"{name}[{', '.join(map(str, at))}] = {int(arr.max())} is out of range")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _int32_page_ids(table: np.ndarray, lens: np.ndarray, page_size: int) -> np.ndarray:
+    """``table`` as int32, after checking that every entry a request uses (its first
+    ``ceil(len / page_size)``) is a page id in [0, 2**31); unused entries may hold anything."""
+    if table.dtype == np.int32:
+        return table
+    used = (lens + page_size - 1) // page_size
+    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+    bad = in_use & ((table < 0) | (table > np.iinfo(np.int32).max))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        v = int(table[b, j])
+        what = "a negative page id" if v < 0 else "a page id beyond int32 range"
+        raise IndexError(f"block_table[{b}, {j}] = {v} is {what}")
+    return table.astype(np.int32)
+
+
+def _check_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
 
 
 def _check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int) -> None:

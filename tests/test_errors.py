@@ -154,3 +154,96 @@ def test_plan_rejects_bad_split_target(target) -> None:  # type: ignore[no-untyp
     pa.split_target = target
     with pytest.raises(ValueError, match="split_target must be a non-negative int"):
         pa.plan(TABLE, LENS)
+
+
+@pytest.mark.parametrize(
+    ("table", "lens", "message"),
+    [
+        # int64/uint64 ids outside int32 must not wrap onto real pages.
+        (np.array([[0, 1, 2], [0, -(2**32) + 7, 3]]), LENS, r"\[1, 1\] = -4294967289 is a negative"),
+        (np.array([[0, 1, 2], [0, 2**32 + 1, 3]]), LENS, r"\[1, 1\] = 4294967297 is a page id beyond int32"),
+        (np.array([[0, 1, 2], [0, 2**63 + 1, 3]], np.uint64), LENS, r"block_table\[1, 1\] = 9223372036854775809 is out of range"),
+        (TABLE, np.array([9, 2**64 - 1], np.uint64), r"seq_lens\[1\] = 18446744073709551615 is out of range"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("native", [True, False])
+def test_plan_rejects_ids_outside_int32(table, lens, message, native) -> None:  # type: ignore[no-untyped-def]
+    pa = _pa()
+    pa.native_plan = native
+    with pytest.raises((IndexError, ValueError), match=message):
+        pa.plan(table, lens)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_plan_accepts_non_contiguous_tables(native: bool) -> None:
+    pa = _pa()
+    pa.native_plan = native
+    want = pa.plan(TABLE, LENS)
+    for table in (np.asfortranarray(TABLE), torch.from_numpy(TABLE.T.copy()).t()):
+        got = pa.plan(table, LENS)
+        assert np.array_equal(got.host.kv_pages, want.host.kv_pages)
+
+
+def test_plan_rejects_other_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="split_kv must be a bool"):
+        _pa().plan(TABLE, LENS, split_kv="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_table is a meta tensor"):
+        _pa().plan(torch.from_numpy(TABLE).to("meta"), LENS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_device_without_cuda() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        _pa(device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        ({"page_size": 2}, "page_size 2 vs 4"),
+        ({"kv_layout": "HND"}, "kv_layout 'HND' vs 'NHD'"),
+        ({"num_qo_heads": 4}, "num_qo_heads 4 vs 8"),
+    ],
+)
+def test_run_rejects_a_plan_of_another_geometry(other: dict, message: str) -> None:
+    args = {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4,
+            "dtype": torch.float32} | other  # fmt: skip
+    foreign = PrefixAttention(**args)
+    table = TABLE if foreign.page_size == 4 else np.array([[0, 1, 2, 3, 4], [0, 1, 5, 6, 7]])
+    plan = foreign.plan(table, LENS)
+    with pytest.raises(ValueError, match=f"another geometry than this object: {message}"):
+        _pa().run(*_inputs(num_pages=8), plan=plan)
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "message"),
+    [
+        (float("nan"), ValueError, "scale must be finite, got nan"),
+        (float("inf"), ValueError, "scale must be finite"),
+        ("0.5", TypeError, "scale must be a real number, got str"),
+        (torch.tensor([1.0, 2.0]), TypeError, "scale must be a real number, got Tensor"),
+        (True, TypeError, "scale must be a real number, got bool"),
+    ],
+)
+def test_run_rejects_bad_scale(scale, error, message) -> None:  # type: ignore[no-untyped-def]
+    pa = _pa()
+    pa.plan(TABLE, LENS)
+    with pytest.raises(error, match=message):
+        pa.run(*_inputs(), scale=scale)
+
+
+def test_run_rejects_bad_out_and_plan_objects() -> None:
+    pa = _pa()
+    pa.plan(TABLE, LENS)
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match=r"out must be a torch\.Tensor, got list"):
+        pa.run(q, k, v, out=[[0]])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="plan must be a LaunchPlan, got dict"):
+        pa.run(q, k, v, plan={})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        pa.run(q, k, v, out=torch.empty(1, 8, 64).expand(2, 8, 64))
+    with pytest.raises(ValueError, match="out requires grad"):
+        pa.run(q, k, v, out=torch.empty(2, 8, 64, requires_grad=True))
+    # numpy and int scales are fine.
+    pa.run(q, k, v, scale=np.float32(0.125))
+    pa.run(q, k, v, scale=1)

@@ -42,20 +42,27 @@ def test_every_visible_pair_is_covered_once(
 @given(batches(max_requests=40, max_pages=30), st.sampled_from(PACKINGS), st.booleans())
 def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> None:
     pa = PrefixAttention(32, 8, 128, batch.page_size)
-    plan = pa.plan(
-        batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing, split_kv=split_kv
-    )
-    h = plan.host
-    rows = np.diff(h.q_indptr) * 4
-    assert (rows <= pa.tiles.max_rows).all()
-    for t, (m, n) in enumerate(plan.tiles):
-        items = range(plan.tile_indptr[t], plan.tile_indptr[t + 1])
-        assert len(items) > 0
-        for w in items:
-            assert h.tile_id[w] == t
-            assert pa.tiles.select(int(rows[w]), int(h.kv_len[w])) == (m, n)
-        lengths = h.kv_len[plan.tile_indptr[t] : plan.tile_indptr[t + 1]]
-        assert (np.diff(lengths) <= 0).all(), "longest items first inside a tile group"
+    args = (batch.block_table, batch.seq_lens, batch.qo_indptr)
+    unified = pa.plan(*args, packing=packing, split_kv=split_kv)
+    pa.one_launch_in_one_wave = False
+    plan = pa.plan(*args, packing=packing, split_kv=split_kv)
+    top = max((m for m, _ in plan.tiles), default=0)
+    one_wave = plan.num_work_items * 8 <= pa.split_target
+    for p in (plan, unified):
+        h = p.host
+        rows = np.diff(h.q_indptr) * 4
+        assert (rows <= pa.tiles.max_rows).all()
+        for t, (m, n) in enumerate(p.tiles):
+            items = range(p.tile_indptr[t], p.tile_indptr[t + 1])
+            assert len(items) > 0
+            for w in items:
+                assert h.tile_id[w] == t
+                m_own, n_own = pa.tiles.select(int(rows[w]), int(h.kv_len[w]))
+                # In a one-wave plan every item takes the largest height in use.
+                assert (m, n) == (top if p is unified and one_wave else m_own, n_own)
+            lengths = h.kv_len[p.tile_indptr[t] : p.tile_indptr[t + 1]]
+            assert (np.diff(lengths) <= 0).all(), "longest items first inside a tile group"
+    assert unified.num_work_items == plan.num_work_items
 
 
 @settings(max_examples=150, deadline=None)
@@ -143,6 +150,7 @@ def test_split_target_leaves_busy_gpus_unsplit() -> None:
     every = pa.plan(table, lens)
     assert every.num_work_items > whole.num_work_items
     pa.split_target = 10**9  # a target no batch fills behaves like 0
+    pa.one_launch_in_one_wave = False  # (which would otherwise unify this small plan's tiles)
     assert _same_arrays(pa.plan(table, lens), every)
 
 
@@ -161,6 +169,64 @@ def test_split_target_caps_parts() -> None:
     assert root_items(pa.plan(table, lens)) == [256] * (8 * 16)
     pa.split_target = 16  # 64 pairs fill more than half: not split
     assert root_items(pa.plan(table, lens)) == [4096] * 8
+
+
+def _item_multiset(plan) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    h = plan.host
+    rows = np.diff(h.q_indptr)
+    pages = np.diff(h.kv_page_indptr)
+    return sorted(zip(h.kv_start.tolist(), h.kv_len.tolist(), rows.tolist(), pages.tolist(),
+                      strict=True))  # fmt: skip
+
+
+def test_one_wave_plan_runs_as_one_launch() -> None:
+    # 10 requests x group 4 under a 4096-token root: 10 leaf items (16-row tiles) and 6 root
+    # parts (64-row tiles), 16 items x 8 KV heads = 128 pairs <= 132: one wave. Every item
+    # takes the 64-row tile; the items themselves do not change.
+    table, lens = tree_batch("1,10_4096,416", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+    one = pa.plan(table, lens)
+    pa.one_launch_in_one_wave = False
+    per_height = pa.plan(table, lens)
+    assert sorted({m for m, _ in per_height.tiles}) == [16, 64]
+    assert sorted({m for m, _ in one.tiles}) == [64]
+    assert one.num_ctas == per_height.num_ctas == 128
+    assert _item_multiset(one) == _item_multiset(per_height)
+    assert one.num_partials == per_height.num_partials
+    # More pairs than one wave (or a target of 0): tile heights stay per item.
+    pa.one_launch_in_one_wave = True
+    pa.split_target = 127
+    assert sorted({m for m, _ in pa.plan(table, lens).tiles}) == [16, 64]
+    table, lens = tree_batch("1,256_256,32", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+    big = pa.plan(table, lens)
+    assert big.num_ctas > 132 and len({m for m, _ in big.tiles}) > 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_one_wave_plan_is_exact(native: bool) -> None:
+    # The unified plan still computes attention exactly (CPU reference).
+    table, lens = tree_batch("1,10_300,41", 16)
+    pa = PrefixAttention(32, 8, 64, 16, dtype=torch.float64)
+    pa.native_plan = native
+    pa.one_launch_in_one_wave = False
+    assert len({m for m, _ in pa.plan(table, lens).tiles}) > 1
+    pa.one_launch_in_one_wave = True
+    plan = pa.plan(table, lens)
+    assert len({m for m, _ in plan.tiles}) == 1
+    gen = torch.Generator().manual_seed(0)
+    pages = int(table.max()) + 1
+    k = torch.randn(pages, 16, 8, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(pages, 16, 8, 64, generator=gen, dtype=torch.float64)
+    q = torch.randn(len(lens), 32, 64, generator=gen, dtype=torch.float64)
+    out = pa.run(q, k, v)
+    for b, n in enumerate(lens.tolist()):
+        idx = torch.arange(n)
+        blocks = torch.as_tensor(table[b])[idx // 16].long()
+        kb = k[blocks, idx % 16].repeat_interleave(4, dim=1)  # [n, 32, 64]
+        vb = v[blocks, idx % 16].repeat_interleave(4, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kb) / 8.0, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", w, vb))
 
 
 def test_plan_arrays_are_int32_on_device() -> None:
