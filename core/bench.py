@@ -41,7 +41,8 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 
 # name -> (packing, split_kv, split target (None: the device's SM count), L2 prefetch tiles,
 # fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
-# 128-row tile.
+# 128-row tile, "per_height" keeps each item's own tile height in one-wave plans
+# (``PrefixAttention.one_launch_in_one_wave`` off).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -50,6 +51,7 @@ ABLATIONS: dict[str, Variant] = {
     "no_split": ("memory", False, None, 0, False, False),
     "split_all": ("memory", True, 0, 0, False, False),
     "one_tile": MAIN,
+    "per_height": MAIN,
     "prefetch2": ("memory", True, None, 2, False, False),
     "fixed_grid": ("memory", True, None, 0, True, False),
     "concurrent": ("memory", True, None, 0, False, True),
@@ -272,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.split_target = target
             if name == "one_tile":
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
+            if name == "per_height":
+                pa.one_launch_in_one_wave = False
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             calls[name] = functools.partial(
