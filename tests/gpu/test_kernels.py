@@ -70,7 +70,7 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
           packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
-          concurrent=False):  # fmt: skip
+          concurrent=False, one_wave=True):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -78,6 +78,7 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     q = torch.randn(t, hq, d, generator=gen, device=DEV).to(dtype)
     pa = prefixattn.PrefixAttention(hq, hkv, d, page_size, kv_layout=layout, device=DEV,
                                     dtype=dtype)  # fmt: skip
+    pa.one_launch_in_one_wave = one_wave
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
     out = torch.full_like(q, float("nan"))
     ws = _ops.Workspace(DEV)
@@ -134,10 +135,12 @@ def test_random_forest(case, packing, qlen, seed):
                                            max(1, 700 // ps), 339)  # fmt: skip
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
     # Seed 1 also takes the fixed-grid launches (as under graph capture) and L2 prefetch;
-    # seed 2 runs the tile groups concurrently, seed 1 too (with fixed grids).
+    # seed 2 runs the tile groups concurrently, seed 1 too (with fixed grids). Seed 2 keeps
+    # each item's own tile height in one-wave plans, so small forests still launch several
+    # heights (and concurrent groups have several groups to run).
     check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
           seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * (seed == 1),
-          concurrent=seed >= 1)  # fmt: skip
+          concurrent=seed >= 1, one_wave=seed != 2)  # fmt: skip
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
