@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from prefixattn import PrefixAttention, build_forest, tree_batch
+from prefixattn.api import DEFAULT_SPLIT_TARGET
 from prefixattn.native_plan import build_plan_native, native_plan_available
 from prefixattn.packer import PACKINGS, pack
 
@@ -48,18 +49,19 @@ def _bench_page_size(args: argparse.Namespace, hq: int, hkv: int, ps: int) -> No
     indptr = np.arange(len(sl) + 1, dtype=np.int64)
     pa = PrefixAttention(hq, hkv, 128, ps, dtype=torch.bfloat16)
     shape, table = pa._shape, pa.tiles
+    target = DEFAULT_SPLIT_TARGET  # what plan() uses for a CPU device
 
     def python() -> object:
         f = build_forest(bt, lens, ps)
-        return pack(f, bt, lens, indptr, shape, table, args.packing, True)
+        return pack(f, bt, lens, indptr, shape, table, args.packing, True, target)
 
     def native() -> object:
-        return build_plan_native(bt, lens, indptr, ps, shape, table, args.packing, True)
+        return build_plan_native(bt, lens, indptr, ps, shape, table, args.packing, True, target)
 
     tensors = (torch.from_numpy(bt), torch.from_numpy(lens), torch.from_numpy(indptr))
     n_by = table.n_by_kv_len
     op_args = (*tensors, ps, hq, hkv, 128, shape.elem_bytes, list(table.m_sizes),
-               [b for b, _ in n_by], [n for _, n in n_by], args.packing, True, True)  # fmt: skip
+               [b for b, _ in n_by], [n for _, n in n_by], args.packing, True, target, True)  # fmt: skip
 
     def native_op() -> object:
         return op(*op_args)

@@ -28,12 +28,10 @@ def _has_op(name: str) -> bool:
 def _load() -> bool:
     """Load the compiled library once; True when the ``run_plan`` schema is registered."""
     if not _has_op("run_plan"):
-        from .native_plan import _candidates
+        from .native_plan import _candidates, load_library
 
         for path in _candidates():
-            try:
-                torch.ops.load_library(str(path))
-            except (OSError, RuntimeError):
+            if not load_library(path):
                 continue
             if _has_op("run_plan"):
                 break

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
     if argv and argv[0] in ("-h", "--help"):
         print(
-            "usage: prefixattn {demo,plan-bench} [options]\n"
+            "usage: prefixattn {demo,plan-bench,bench} [options]\n"
             "  demo        plan and run a shared-prefix batch (default when no command)\n"
             "  plan-bench  time plan construction on the host\n"
             "  bench       CUDA kernel benchmark against the HBM floor (GPU)"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -79,6 +80,29 @@ def _candidates() -> list[Path]:
     return found
 
 
+_failed: set[str] = set()
+
+
+def load_library(path: Any) -> bool:
+    """Load a compiled prefixattn library; on failure warn once (a library built against
+    another torch fails here, and the package then runs without its compiled parts)."""
+    try:
+        torch.ops.load_library(str(path))
+        return True
+    except (OSError, RuntimeError) as e:
+        if str(path) not in _failed:
+            _failed.add(str(path))
+            warnings.warn(
+                f"prefixattn: could not load {path} ({e}); it may have been built against "
+                f"another torch than {torch.__version__}. Without it plans are built in Python "
+                "and run on the PyTorch reference; rebuild prefixattn in this environment "
+                "(pip install --no-build-isolation --no-deps .).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+
+
 def _load() -> Any:
     """The op, once registered; the candidate libraries are loaded at most once."""
     global _op, _searched
@@ -87,9 +111,7 @@ def _load() -> Any:
         if op is None and not _searched:
             _searched = True
             for path in _candidates():
-                try:
-                    torch.ops.load_library(str(path))
-                except (OSError, RuntimeError):
+                if not load_library(path):
                     continue
                 op = _registered()
                 if op is not None:

@@ -130,3 +130,17 @@ def test_timer_warms_up_before_timing() -> None:
     assert rounds == [list("abc"), list("bca"), list("cab"), list("abc"), list("bca")]
     # The fake clock: one log entry (the call itself) between the two events = 1 ms.
     assert all(t == 1e3 for t in times.values())
+
+
+def test_bench_plan_script_runs() -> None:
+    """benchmarks/bench_plan.py (cited in docs/plan-speed.md) runs all of its planners."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan.py"
+    args = ["--tree", "1,4_64,16", "--repeat", "1", "--page-sizes", "16"]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "plan() native" in run.stdout

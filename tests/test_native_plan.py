@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -207,3 +209,15 @@ def test_decreasing_qo_indptr_is_rejected() -> None:
     with pytest.raises(ValueError, match="decreasing"):
         build_plan_native(batch.block_table, batch.seq_lens, np.array([0, 2, 1]), 1,
                           BatchShape(8, 2, 64, 2), tile_table(64), "per_query", True)  # fmt: skip
+
+
+def test_a_library_that_does_not_load_is_reported(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prefixattn.native_plan import load_library
+
+    bad = tmp_path / "_C.so"
+    bad.write_bytes(b"not a shared library")
+    with pytest.warns(RuntimeWarning, match="could not load .*_C.so"):
+        assert load_library(bad) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once per path
+        assert load_library(bad) is False
