@@ -73,6 +73,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ablations", nargs="*", default=None, metavar="NAME",
                     help=f"also time these variants (all without names): {', '.join(ABLATIONS)}")  # fmt: skip
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="CALLS",
+                    help="also profile CALLS calls of prefixattn per configuration: device time "
+                    "per kernel, and the span from its first kernel to its last")  # fmt: skip
     ap.add_argument("--out", default="docs/results/bench_attention.json")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.ablations or ()) - set(ABLATIONS))
@@ -228,6 +231,72 @@ def _flashinfer_decode(torch, fi, table, lens, ps, hq, hkv, d, q, k, v):
     return lambda: w.run(q, (k, v))
 
 
+def _short_kernel_name(name: str) -> str:
+    """``void prefixattn::forward_mma_kernel<__nv_bfloat16, 128, 4, 2, 3>(...)`` ->
+    ``forward_mma_kernel<__nv_bfloat16, 128, 4, 2, 3>``."""
+    name = name.split("(", 1)[0].removeprefix("void ").strip()
+    return name.split("prefixattn::", 1)[-1]
+
+
+def kernel_breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-call device time of prefixattn's kernels from a profiler trace's kernel events
+    (``name``, ``ts``, ``dur`` in us). Calls are separated by any other kernel (the L2 flush
+    that precedes each call). Returns the calls found, the median ``span_us`` (first kernel
+    start to last kernel end of a call), the median ``busy_us`` (time with at least one of
+    its kernels running) and, per kernel, launches per call and mean device us per call."""
+    calls: list[list[tuple[str, float, float]]] = []
+    current: list[tuple[str, float, float]] = []
+    for e in sorted(events, key=lambda e: float(e["ts"])):
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if "prefixattn::" in e["name"]:
+            current.append((_short_kernel_name(e["name"]), start, end))
+        elif current:
+            calls.append(current)
+            current = []
+    if current:
+        calls.append(current)
+    if not calls:
+        return {"calls": 0}
+    spans, busy = [], []
+    per_kernel: dict[str, list[float]] = {}
+    for call in calls:
+        spans.append(max(e for _, _, e in call) - min(s for _, s, _ in call))
+        merged_end, total = -math.inf, 0.0
+        for _, start, end in sorted(call, key=lambda k: k[1]):
+            total += max(0.0, end - max(start, merged_end))
+            merged_end = max(merged_end, end)
+        busy.append(total)
+        for name, start, end in call:
+            per_kernel.setdefault(name, []).append(end - start)
+    n = len(calls)
+    kernels = {
+        name: {"per_call": round(len(d) / n, 2), "us": round(sum(d) / n, 2)}
+        for name, d in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))
+    }
+    return {"calls": n, "span_us": round(statistics.median(spans), 2),
+            "busy_us": round(statistics.median(busy), 2), "kernels": kernels}  # fmt: skip
+
+
+def profile_breakdown(torch, fn: Callable[[], object], flush: Any, calls: int) -> dict[str, Any]:
+    """Run ``fn`` ``calls`` times (each after an L2 flush) under torch's profiler and
+    summarize its kernels with :func:`kernel_breakdown`."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        data = json.loads(path.read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return kernel_breakdown([e for e in events if e.get("cat") == "kernel" and "dur" in e])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     import torch
@@ -313,10 +382,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RuntimeError(f"prefixattn failed on {spec} {hq},{hkv}: {errors['prefixattn']}")
         row.update({f"{n}_us": us for n, us in timed.items()})
         row.update({f"{n}_error": e for n, e in errors.items()})
+        if args.breakdown > 0:
+            row["breakdown"] = profile_breakdown(
+                torch, calls["prefixattn"], timer.flush, args.breakdown
+            )
         row["pct_floor"] = 100 * row["floor_us"] / row["prefixattn_us"]
         rows.append(row)
         extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))
         print(f"{spec:48s} {hq},{hkv} p{ps}: {extra} floor%={row['pct_floor']:.0f}", flush=True)
+        if row.get("breakdown", {}).get("calls"):
+            bd = row["breakdown"]
+            parts = ", ".join(
+                f"{k} x{v['per_call']:g}: {v['us']:.1f}" for k, v in bd["kernels"].items()
+            )
+            print(
+                f"    span {bd['span_us']:.1f} us, busy {bd['busy_us']:.1f} us; {parts}", flush=True
+            )
         # Rewritten after every configuration: a run cut short keeps what it measured.
         result = _write(torch, bw, rows, Path(args.out))
     if not rows:

@@ -2,7 +2,8 @@
 # On a GPU machine: build the package with the CUDA kernels into /tmp/site, run the GPU tests
 # (and, with --memcheck, a compute-sanitizer run of a small suite), then the attention
 # benchmark. Logs and results go to $OUT (default ./gpu-out).
-#   bash scripts/gpu_kernels.sh [build] [test] [memcheck] [bench] [bench-quick]
+#   bash scripts/gpu_kernels.sh [build] [test] [memcheck] [bench] [bench-quick] [breakdown]
+# breakdown: per-kernel device time of prefixattn's plans (32/8 heads, every tree; profiler).
 # FlashInfer columns appear when `import flashinfer` works (e.g. PYTHONPATH with a staged
 # vLLM or SGLang stack).
 set -uo pipefail
@@ -31,6 +32,9 @@ for step in $steps; do
     bench-quick)
       timeout 300 python3 benchmarks/bench_attention.py --iters 10 --heads 32,8 64,8 \
         --page1-trees --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    breakdown)
+      timeout 300 python3 benchmarks/bench_attention.py --iters 5 --heads 32,8 --no-flashinfer \
+        --breakdown 10 --out "$OUT/bench_breakdown.json" 2>&1 | tee "$OUT/breakdown.log" | tail -60 ;;
   esac
   echo "== $step: $((SECONDS - start)) s"
 done

@@ -144,3 +144,30 @@ def test_bench_plan_script_runs() -> None:
                          timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "plan() native" in run.stdout
+
+
+def test_kernel_breakdown() -> None:
+    """Per-call kernel times from trace events; other kernels (the flush) separate calls."""
+    from prefixattn.bench import kernel_breakdown
+
+    fwd = "void prefixattn::forward_mma_kernel<__nv_bfloat16, 128, 4, 2, 3>(prefixattn::ForwardParams)"
+    merge = "void prefixattn::merge_kernel<__nv_bfloat16, 128>(prefixattn::MergeParams)"
+    flush = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>>()"
+    events = [
+        {"name": flush, "ts": 0, "dur": 50},
+        {"name": fwd, "ts": 60, "dur": 20},
+        {"name": fwd, "ts": 70, "dur": 20},  # overlaps the first (concurrent groups)
+        {"name": merge, "ts": 100, "dur": 5},
+        {"name": flush, "ts": 200, "dur": 50},
+        {"name": fwd, "ts": 260, "dur": 30},
+        {"name": merge, "ts": 300, "dur": 10},
+    ]
+    bd = kernel_breakdown(events)
+    assert bd["calls"] == 2
+    assert bd["span_us"] == (45 + 50) / 2  # 60..105 and 260..310
+    assert bd["busy_us"] == (35 + 40) / 2  # 60..90 + 100..105; 260..290 + 300..310
+    assert bd["kernels"] == {
+        "forward_mma_kernel<__nv_bfloat16, 128, 4, 2, 3>": {"per_call": 1.5, "us": 35.0},
+        "merge_kernel<__nv_bfloat16, 128>": {"per_call": 1.0, "us": 7.5},
+    }
+    assert kernel_breakdown([{"name": flush, "ts": 0, "dur": 1}]) == {"calls": 0}
