@@ -308,3 +308,78 @@ def test_refuses_features_passed_as_arguments():
         backend.forward_decode(q, kv, kv, layer, batch, sinks=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="save_kv_cache=False"):
         backend.forward_extend(q, kv, kv, layer, batch, save_kv_cache=False)
+
+
+def test_decode_beside_another_prefill_backend():
+    """``--prefill-attention-backend torch_native --decode-attention-backend prefixattn``:
+    SGLang's HybridAttnBackend sends an extend batch to torch_native, which writes the new
+    K/V into the pool, and the next decode batch to prefixattn, which must read that K/V."""
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    num_heads, num_kv_heads, head_dim, page_size = 8, 2, 64, 1
+    gen = torch.Generator().manual_seed(7)
+    rows = _rows(TREE, page_size)
+    bs = len(rows)
+    runner = _runner(page_size, num_heads, num_kv_heads, head_dim, max_reqs=bs + 2)
+    runner.server_args = SimpleNamespace(
+        speculative_attention_mode="prefill", speculative_algorithm=None
+    )
+    runner.model_config.context_len = MAX_CONTEXT
+    ours = PrefixAttnBackend(runner)
+    hybrid = HybridAttnBackend(runner, TorchNativeAttnBackend(runner), ours)
+    pool, req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    layers = [_layer(lid, num_heads, num_kv_heads, head_dim) for lid in range(2)]
+    req_pool_indices = torch.arange(1, bs + 1, dtype=torch.int64)
+
+    # Cached prefixes in the pool; then an extend batch of 1-11 new tokens per request.
+    new_lens = [min(len(r), n) for r, n in zip(rows, [1, 4, 2, 7, 1, 3, 5, 11], strict=True)]
+    seq_lens = [len(r) for r in rows]
+    prefix_lens = [s - n for s, n in zip(seq_lens, new_lens, strict=True)]
+    for i, row in enumerate(rows):
+        req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    cached = sorted({s for row, p in zip(rows, prefix_lens, strict=True) for s in row[:p]})
+    loc = torch.tensor(cached, dtype=torch.int64)
+    for layer in layers:
+        k = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        pool.set_kv_buffer(layer, loc, k, torch.randn_like(k))
+
+    def step(mode, new, lens):  # type: ignore[no-untyped-def]
+        prefix = [s - n for s, n in zip(lens, new, strict=True)]
+        out_loc = torch.tensor(
+            [s for i, (p, s_) in enumerate(zip(prefix, lens, strict=True))
+             for s in req_to_token[i + 1, p:s_].tolist()],
+            dtype=torch.int64,
+        )  # fmt: skip
+        n = sum(new)
+        batch = ForwardBatch(
+            forward_mode=mode, batch_size=bs, input_ids=torch.zeros(n, dtype=torch.int64),
+            req_pool_indices=req_pool_indices, seq_lens=torch.tensor(lens, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32), out_cache_loc=out_loc,
+            seq_lens_sum=sum(lens),
+            positions=torch.tensor([i for p, s in zip(prefix, lens, strict=True)
+                                    for i in range(p, s)], dtype=torch.int64),
+        )  # fmt: skip
+        if mode == ForwardMode.EXTEND:
+            batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+            batch.extend_prefix_lens_cpu = prefix
+            batch.extend_seq_lens = torch.tensor(new, dtype=torch.int32)
+            batch.extend_seq_lens_cpu = new
+            batch.extend_num_tokens = n
+        hybrid.init_forward_metadata(batch)
+        qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+        for layer in layers:
+            q = torch.randn(n, num_heads * head_dim, generator=gen, dtype=DTYPE)
+            k = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
+            out = hybrid.forward(q, k, torch.randn_like(k), layer, batch)
+            rows_now = [req_to_token[i + 1, :s].tolist() for i, s in enumerate(lens)]
+            check_against_reference(pool, layer, rows_now, lens, q, out, qo)
+
+    step(ForwardMode.EXTEND, new_lens, seq_lens)
+    assert ours.forward_metadata is None  # the extend batch never reached prefixattn
+    # Decode: one new slot per request, after everything allocated so far.
+    first = max(max(r) for r in rows) + 1
+    for i, s in enumerate(seq_lens):
+        req_to_token[i + 1, s] = first + i
+    step(ForwardMode.DECODE, [1] * bs, [s + 1 for s in seq_lens])
+    assert ours.forward_metadata is not None and ours.forward_metadata.plan is not None

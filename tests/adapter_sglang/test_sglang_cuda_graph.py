@@ -238,6 +238,7 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(sglang_backend, "core_supports_cuda_graphs", lambda: True)
     monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: calls.append((self, kw)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA core, no GPU used
     runner = _runner(16, HEADS, KV_HEADS, HEAD_DIM, max_reqs=4)
     backend = PrefixAttnBackend(runner)
     backend.device = torch.device("cuda")
