@@ -264,7 +264,7 @@ class PrefixAttention:
         """
         if not isinstance(split_kv, bool):
             raise TypeError(f"split_kv must be a bool, got {type(split_kv).__name__}")
-        table = _host_int_array("block_table", block_table, ndim=2)
+        table = _host_int_array("block_table", block_table, ndim=2, keep_dtype=True)
         lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64, copy=False)
         b = table.shape[0]
         if lens.shape[0] != b:
@@ -280,7 +280,7 @@ class PrefixAttention:
         if packing not in PACKINGS:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
-        table = _int32_page_ids(table, lens, self.page_size)
+        table = _int32_page_ids(table, lens, indptr, self.page_size)
 
         if self.split_target is None:
             self.split_target = _split_target(self.device)
@@ -312,7 +312,13 @@ class PrefixAttention:
             # The whole plan fits in one wave: one tile height (the largest in use) for every
             # item makes the forward one launch instead of one per height. Every item already
             # fits that height, so the items, chunks and splits stay as they are.
-            one = TileTable(m_sizes=(heights[-1],), n_by_kv_len=self.tiles.n_by_kv_len)
+            # The packer also sizes row chunks, merges and splits by the table's largest
+            # height: keep it, so every item (all fit ``top``) just selects ``top``.
+            top, largest = heights[-1], self.tiles.max_rows
+            one = TileTable(
+                m_sizes=(top,) if top == largest else (top, largest),
+                n_by_kv_len=self.tiles.n_by_kv_len,
+            )
             forest, host, tiles, tile_indptr, acc = build(one)
         _check_pages(host.kv_pages, table, lens, self.page_size)
         num_tokens = int(indptr[-1])
@@ -570,9 +576,9 @@ def _layout_doc(layout: str) -> str:
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
-    """A C-contiguous host copy (int32 kept as is, other integer types as int64) of an
-    integer tensor/array argument, with its rank checked."""
+def _host_int_array(name: str, value: Any, ndim: int, keep_dtype: bool = False) -> np.ndarray:
+    """A C-contiguous host copy of an integer tensor/array argument (int32 kept as is, other
+    integer types as int64, or as they are with ``keep_dtype``), with its rank checked."""
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be an int32 tensor, got {value.dtype}")
@@ -587,7 +593,7 @@ def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
-    if arr.dtype == np.int32:
+    if arr.dtype == np.int32 or keep_dtype:
         return np.ascontiguousarray(arr)
     if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
         at = tuple(int(i) for i in np.unravel_index(int(arr.argmax()), arr.shape))
@@ -595,20 +601,26 @@ def _host_int_array(name: str, value: Any, ndim: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _int32_page_ids(table: np.ndarray, lens: np.ndarray, page_size: int) -> np.ndarray:
-    """``table`` as int32, after checking that every entry a request uses (its first
-    ``ceil(len / page_size)``) is a page id in [0, 2**31); unused entries may hold anything."""
+def _int32_page_ids(
+    table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int
+) -> np.ndarray:
+    """``table`` (any integer dtype) as int32, after checking that every entry a request with
+    new tokens uses (its first ``ceil(len / page_size)``) is a page id in [0, 2**31); other
+    entries may hold anything."""
     if table.dtype == np.int32:
         return table
-    used = (lens + page_size - 1) // page_size
+    int32_max = np.iinfo(np.int32).max
+    if table.size == 0 or (int(table.min()) >= 0 and int(table.max()) <= int32_max):
+        return table.astype(np.int32)
+    used = np.where(np.diff(indptr) > 0, (lens + page_size - 1) // page_size, 0)
     in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-    bad = in_use & ((table < 0) | (table > np.iinfo(np.int32).max))
+    bad = in_use & ((table < 0) | (table > int32_max))
     if bad.any():
         b, j = (int(x) for x in np.argwhere(bad)[0])
         v = int(table[b, j])
         what = "a negative page id" if v < 0 else "a page id beyond int32 range"
         raise IndexError(f"block_table[{b}, {j}] = {v} is {what}")
-    return table.astype(np.int32)
+    return table.astype(np.int32)  # unused entries may wrap: they are never read
 
 
 def _check_scale(scale: Any) -> float:

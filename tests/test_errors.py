@@ -162,7 +162,7 @@ def test_plan_rejects_bad_split_target(target) -> None:  # type: ignore[no-untyp
         # int64/uint64 ids outside int32 must not wrap onto real pages.
         (np.array([[0, 1, 2], [0, -(2**32) + 7, 3]]), LENS, r"\[1, 1\] = -4294967289 is a negative"),
         (np.array([[0, 1, 2], [0, 2**32 + 1, 3]]), LENS, r"\[1, 1\] = 4294967297 is a page id beyond int32"),
-        (np.array([[0, 1, 2], [0, 2**63 + 1, 3]], np.uint64), LENS, r"block_table\[1, 1\] = 9223372036854775809 is out of range"),
+        (np.array([[0, 1, 2], [0, 2**63 + 1, 3]], np.uint64), LENS, r"block_table\[1, 1\] = 9223372036854775809 is a page id beyond int32"),
         (TABLE, np.array([9, 2**64 - 1], np.uint64), r"seq_lens\[1\] = 18446744073709551615 is out of range"),
     ],
 )  # fmt: skip
@@ -172,6 +172,14 @@ def test_plan_rejects_ids_outside_int32(table, lens, message, native) -> None:  
     pa.native_plan = native
     with pytest.raises((IndexError, ValueError), match=message):
         pa.plan(table, lens)
+
+
+def test_int64_padding_rows_may_hold_anything() -> None:
+    # A row without new tokens is not read: -1 there is fine in any integer dtype.
+    for dtype in (np.int32, np.int64):
+        table = np.array([[0, 1], [-1, -1]], dtype=dtype)
+        plan = _pa().plan(table, np.array([8, 8]), np.array([0, 1, 1]))
+        assert plan.max_page_id == 1
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -200,6 +200,10 @@ def test_merge(m, tmp_path, no_out) -> None:  # type: ignore[no-untyped-def]
     out = json.loads(js.read_text())
     assert out["summary"]["pass"] == 2 and out["cells"][0]["why"] == "x=y"
     assert md.read_text().count(f"| {a.id} |") == 1
+    # A merged report merges again with its runs kept; a note needs CELL=TEXT.
+    assert m.merge_reports([out, second], {})[1]["runs"] == ["1 x H200, d1", "1 x H200, d2"]
+    with pytest.raises(SystemExit):
+        m.main(["--merge", str(paths[0]), "--note", "no-equals-sign"])
 
 
 def test_workloads(m) -> None:  # type: ignore[no-untyped-def]

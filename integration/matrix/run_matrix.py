@@ -758,7 +758,8 @@ def merge_reports(reports: list[dict], notes: dict[str, str]) -> tuple[list[dict
         rows[cell]["why"] = f"{why}; {text}" if why else text
     order = {c.id: i for i, c in enumerate(select(reports[-1].get("select") or "smoke"))}
     results = sorted(rows.values(), key=lambda r: order.get(r["cell"], len(order)))
-    runs = sorted({f"{r.get('machine', '?')}, {r.get('date', '?')}" for r in reports})
+    runs = sorted({run for r in reports
+                   for run in r.get("runs") or [f"{r.get('machine', '?')}, {r.get('date', '?')}"]})  # fmt: skip
     meta = {"select": reports[-1].get("select"), "runs": runs, "tol": reports[-1].get("tol")}
     return results, meta
 
@@ -843,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.merge:
+        bad = [n for n in args.note if "=" not in n]
+        if bad:
+            ap.error(f"--note takes CELL=TEXT, got {bad[0]!r}")
         notes = dict(n.split("=", 1) for n in args.note)
         reports = [json.loads(p.read_text()) for p in args.merge]
         results, meta = merge_reports(reports, notes)
