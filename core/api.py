@@ -320,7 +320,7 @@ class PrefixAttention:
                 n_by_kv_len=self.tiles.n_by_kv_len,
             )
             forest, host, tiles, tile_indptr, acc = build(one)
-        _check_pages(host.kv_pages, table, lens, self.page_size)
+        _check_pages(host.kv_pages, table, lens, indptr, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
         shape = self._shape
@@ -612,9 +612,7 @@ def _int32_page_ids(
     int32_max = np.iinfo(np.int32).max
     if table.size == 0 or (int(table.min()) >= 0 and int(table.max()) <= int32_max):
         return table.astype(np.int32)
-    used = np.where(np.diff(indptr) > 0, (lens + page_size - 1) // page_size, 0)
-    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-    bad = in_use & ((table < 0) | (table > int32_max))
+    bad = _entries_read(table, lens, indptr, page_size) & ((table < 0) | (table > int32_max))
     if bad.any():
         b, j = (int(x) for x in np.argwhere(bad)[0])
         v = int(table[b, j])
@@ -657,12 +655,22 @@ def _check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page
         )
 
 
-def _check_pages(pages: np.ndarray, table: np.ndarray, lens: np.ndarray, page_size: int) -> None:
+def _entries_read(
+    table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int
+) -> np.ndarray:
+    """bool [B, cols]: the block-table entries a plan reads, the first
+    ``ceil(len / page_size)`` of each request with new tokens (padding rows are not read)."""
+    used = np.where(np.diff(indptr) > 0, (lens + page_size - 1) // page_size, 0)
+    return np.arange(table.shape[1])[None, :] < used[:, None]
+
+
+def _check_pages(
+    pages: np.ndarray, table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int
+) -> None:
     """Page ids the plan reads must be valid (only used entries are read; junk is ignored)."""
     if pages.size and pages.min() < 0:
-        used = (lens + page_size - 1) // page_size
-        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
-        b, j = (int(x) for x in np.argwhere(in_use & (table < 0))[0])
+        read = _entries_read(table, lens, indptr, page_size)
+        b, j = (int(x) for x in np.argwhere(read & (table < 0))[0])
         raise IndexError(f"block_table[{b}, {j}] = {int(table[b, j])} is a negative page id")
 
 
