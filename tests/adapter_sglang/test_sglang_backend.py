@@ -159,6 +159,38 @@ def check_against_reference(pool, layer, rows, seq_lens, q, out, qo_indptr=None)
     torch.testing.assert_close(out.view(-1, heads, d).double(), expected, atol=tol, rtol=tol)
 
 
+def _forward_batch(mode: ForwardMode, rows: list[list[int]], new_lens: list[int]) -> ForwardBatch:
+    """A ForwardBatch of requests ``1..B`` of the req-to-token pool whose rows are ``rows``, the
+    last ``new_lens[b]`` slots of row ``b`` being its new tokens (decode: 1 each)."""
+    seq_lens = [len(r) for r in rows]
+    prefix_lens = [s - n for s, n in zip(seq_lens, new_lens, strict=True)]
+    num_tokens = sum(new_lens)
+    batch = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        req_pool_indices=torch.arange(1, len(rows) + 1, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        out_cache_loc=torch.tensor(
+            [s for row, p in zip(rows, prefix_lens, strict=True) for s in row[p:]],
+            dtype=torch.int64,
+        ),
+        seq_lens_sum=sum(seq_lens),
+        positions=torch.tensor(
+            [i for p, s in zip(prefix_lens, seq_lens, strict=True) for i in range(p, s)],
+            dtype=torch.int64,
+        ),
+    )
+    if not mode.is_decode():
+        batch.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32)
+        batch.extend_prefix_lens_cpu = prefix_lens
+        batch.extend_seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+        batch.extend_seq_lens_cpu = new_lens
+        batch.extend_num_tokens = num_tokens
+    return batch
+
+
 def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2):
     head_dim = 64
     gen = torch.Generator().manual_seed(1234 + page_size)
@@ -179,7 +211,6 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
         new_lens = [min(len(r), n) for r, n in zip(rows, [1, 1, 5, 1, 1, 3, 1, 11], strict=True)]
     seq_lens = [len(r) for r in rows]
     prefix_lens = [s - n for s, n in zip(seq_lens, new_lens, strict=True)]
-    req_pool_indices = torch.arange(1, bs + 1, dtype=torch.int64)
     for i, row in enumerate(rows):
         req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
 
@@ -193,36 +224,14 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
             v = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
             pool.set_kv_buffer(layer, loc, k, v)
 
-    out_cache_loc = torch.tensor(
-        [s for row, p in zip(rows, prefix_lens, strict=True) for s in row[p:]], dtype=torch.int64
-    )
     num_tokens = sum(new_lens)
-    positions = torch.tensor(
-        [i for p, s in zip(prefix_lens, seq_lens, strict=True) for i in range(p, s)],
-        dtype=torch.int64,
-    )
     forward_mode = {
         "decode": ForwardMode.DECODE,
         "extend": ForwardMode.EXTEND,
         "mixed": ForwardMode.MIXED,
     }[mode]
-    batch = ForwardBatch(
-        forward_mode=forward_mode,
-        batch_size=bs,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-        req_pool_indices=req_pool_indices,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
-        out_cache_loc=out_cache_loc,
-        seq_lens_sum=sum(seq_lens),
-        positions=positions,
-    )
-    if mode != "decode":
-        batch.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32)
-        batch.extend_prefix_lens_cpu = prefix_lens
-        batch.extend_seq_lens = torch.tensor(new_lens, dtype=torch.int32)
-        batch.extend_seq_lens_cpu = new_lens
-        batch.extend_num_tokens = num_tokens
+    batch = _forward_batch(forward_mode, rows, new_lens)
+    out_cache_loc = batch.out_cache_loc
 
     backend.init_forward_metadata(batch)
     plan = backend.forward_metadata.plan
@@ -330,7 +339,6 @@ def test_decode_beside_another_prefill_backend():
     hybrid = HybridAttnBackend(runner, TorchNativeAttnBackend(runner), ours)
     pool, req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
     layers = [_layer(lid, num_heads, num_kv_heads, head_dim) for lid in range(2)]
-    req_pool_indices = torch.arange(1, bs + 1, dtype=torch.int64)
 
     # Cached prefixes in the pool; then an extend batch of 1-11 new tokens per request.
     new_lens = [min(len(r), n) for r, n in zip(rows, [1, 4, 2, 7, 1, 3, 5, 11], strict=True)]
@@ -345,34 +353,15 @@ def test_decode_beside_another_prefill_backend():
         pool.set_kv_buffer(layer, loc, k, torch.randn_like(k))
 
     def step(mode, new, lens):  # type: ignore[no-untyped-def]
-        prefix = [s - n for s, n in zip(lens, new, strict=True)]
-        out_loc = torch.tensor(
-            [s for i, (p, s_) in enumerate(zip(prefix, lens, strict=True))
-             for s in req_to_token[i + 1, p:s_].tolist()],
-            dtype=torch.int64,
-        )  # fmt: skip
+        rows_now = [req_to_token[i + 1, :s].tolist() for i, s in enumerate(lens)]
+        batch = _forward_batch(mode, rows_now, new)
         n = sum(new)
-        batch = ForwardBatch(
-            forward_mode=mode, batch_size=bs, input_ids=torch.zeros(n, dtype=torch.int64),
-            req_pool_indices=req_pool_indices, seq_lens=torch.tensor(lens, dtype=torch.int32),
-            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32), out_cache_loc=out_loc,
-            seq_lens_sum=sum(lens),
-            positions=torch.tensor([i for p, s in zip(prefix, lens, strict=True)
-                                    for i in range(p, s)], dtype=torch.int64),
-        )  # fmt: skip
-        if mode == ForwardMode.EXTEND:
-            batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
-            batch.extend_prefix_lens_cpu = prefix
-            batch.extend_seq_lens = torch.tensor(new, dtype=torch.int32)
-            batch.extend_seq_lens_cpu = new
-            batch.extend_num_tokens = n
         hybrid.init_forward_metadata(batch)
         qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
         for layer in layers:
             q = torch.randn(n, num_heads * head_dim, generator=gen, dtype=DTYPE)
             k = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
             out = hybrid.forward(q, k, torch.randn_like(k), layer, batch)
-            rows_now = [req_to_token[i + 1, :s].tolist() for i, s in enumerate(lens)]
             check_against_reference(pool, layer, rows_now, lens, q, out, qo)
 
     step(ForwardMode.EXTEND, new_lens, seq_lens)
