@@ -467,9 +467,7 @@ constexpr int forward_mma_smem_bytes() {
 }
 
 namespace detail {
-// A block's position in the stream of its (item, head) pairs, for the loads. The KV length and
-// page offset of the pair after the current one are loaded one pair ahead, so opening a pair
-// issues its first page-id loads at once instead of waiting on a chain of dependent loads.
+// A block's position in the stream of its (item, head) pairs, for the loads or the math.
 template <typename T>
 struct PairCursor {
   int w;          // pair index (grid-stride)
@@ -478,36 +476,16 @@ struct PairCursor {
   const int32_t* pages;
   const T* k_base;
   const T* v_base;
-  int next_len, next_page0;  // of pair w + gridDim.x (when it exists)
 
-  __device__ __forceinline__ void set(const ForwardParams& p, const WorkRange& range, int w_,
-                                      int len, int page0) {
+  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int w_) {
     w = w_;
     item = range.item(w);
     kv_head = range.head(w);
-    kv_len = len;
+    kv_len = p.kv_len[item];
     num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
-    pages = p.kv_pages + page0;
+    pages = p.kv_pages + p.kv_page_indptr[item];
     k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
     v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
-  }
-  __device__ __forceinline__ void prefetch_next(const ForwardParams& p, const WorkRange& range) {
-    const int nw = w + static_cast<int>(gridDim.x);
-    if (nw < range.total) {
-      const int it = range.item(nw);
-      next_len = p.kv_len[it];
-      next_page0 = p.kv_page_indptr[it];
-    }
-  }
-  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int w_) {
-    const int it = range.item(w_);
-    set(p, range, w_, p.kv_len[it], p.kv_page_indptr[it]);
-    prefetch_next(p, range);
-  }
-  // Move to pair w + gridDim.x (which must exist), using the values loaded ahead.
-  __device__ __forceinline__ void advance(const ForwardParams& p, const WorkRange& range) {
-    set(p, range, w + static_cast<int>(gridDim.x), next_len, next_page0);
-    prefetch_next(p, range);
   }
 };
 
@@ -524,45 +502,25 @@ struct PairDesc {
   }
 };
 
-// Per-row values of a pair's query rows r0 and r1 (a lane's two rows), loaded ahead of their
-// use: the query token (-1 past the item's rows) and the causal limit (absolute position).
-struct RowsAhead {
-  int tok0, tok1, lim0, lim1;
-  __device__ __forceinline__ void load(const ForwardParams& p, const PairDesc& d, int r0,
-                                       int r1) {
-    const int g = p.group_size;
-    tok0 = tok1 = -1;
-    lim0 = lim1 = 0;
-    if (r0 < d.num_rows) {
-      tok0 = p.q_tokens[d.slot0 + r0 / g];
-      lim0 = p.q_limit[d.slot0 + r0 / g];
-    }
-    if (r1 < d.num_rows) {
-      tok1 = p.q_tokens[d.slot0 + r1 / g];
-      lim1 = p.q_limit[d.slot0 + r1 / g];
-    }
-  }
-  // Keys visible to row r0 (h = 0) or r1 (h = 1), relative to the item; 0 past its rows.
-  __device__ __forceinline__ int limit(const PairDesc& d, int h) const {
-    const int t = h ? tok1 : tok0;
-    return t < 0 ? 0 : min((h ? lim1 : lim0) - d.kv_start, d.kv_len);
-  }
-};
+// Causal bound (keys visible, relative to the item) of row r, 0 past the item's rows.
+__device__ __forceinline__ int row_limit(const ForwardParams& p, const PairDesc& d, int r) {
+  return r < d.num_rows ? min(p.q_limit[d.slot0 + r / p.group_size] - d.kv_start, d.kv_len) : 0;
+}
 
-// q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8, query tokens
-// from `rows`), zero past the item's rows.
+// q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8), zero past the
+// item's rows.
 template <typename T, int kKC>
-__device__ __forceinline__ void load_q_frags(const ForwardParams& p, const RowsAhead& rows,
+__device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, int num_rows,
                                              int kv_head, int rb, uint32_t (&qa)[kKC][4]) {
   const int lane = threadIdx.x & 31, g = p.group_size;
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
   const T* q0 = nullptr;
   const T* q1 = nullptr;
-  if (rows.tok0 >= 0)
-    q0 = static_cast<const T*>(p.q) + rows.tok0 * p.q_stride_t +
+  if (r0 < num_rows)
+    q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r0 / g] * p.q_stride_t +
          (kv_head * g + r0 % g) * p.q_stride_h + qc;
-  if (rows.tok1 >= 0)
-    q1 = static_cast<const T*>(p.q) + rows.tok1 * p.q_stride_t +
+  if (r1 < num_rows)
+    q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r1 / g] * p.q_stride_t +
          (kv_head * g + r1 % g) * p.q_stride_h + qc;
 #pragma unroll
   for (int kc = 0; kc < kKC; ++kc) {
@@ -652,8 +610,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       }
       if (++ld_tile == ld.num_tiles) {
         ld_tile = 0;
-        if (ld.w + static_cast<int>(gridDim.x) < range.total)
-          ld.advance(p, range);
+        const int nw = ld.w + gridDim.x;
+        if (nw < range.total)
+          ld.open(p, range, nw);
         else
           ld_done = true;
       }
@@ -665,39 +624,34 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
-  // ---- math. Loads run ahead of their use so that a short pair does not wait on a chain of
-  // dependent loads: when a pair starts, the descriptor of the pair after the next one is
-  // fetched, and the next pair's query tokens and causal limits; when the pair's tiles are
-  // done, (with 4 warps) the next pair's q fragments.
+  // ---- math. The next pair's descriptor is fetched when a pair starts, its causal bounds
+  // (and, with 4 warps, its q fragments) when the pair's tiles are done.
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
-  const int grid = static_cast<int>(gridDim.x);
-  PairDesc cur, nxt, nxt2;
-  RowsAhead rows, nrows;  // query tokens and limits of cur's rows r0, r1; of nxt's
+  PairDesc cur, nxt;
   cur.load(p, range, blockIdx.x);
-  rows.load(p, cur, r0, r1);
-  if (static_cast<int>(blockIdx.x) + grid < range.total) nxt.load(p, range, blockIdx.x + grid);
   uint32_t qa[kKC][4];
   uint32_t qa_next[kPrefetchQ ? kKC : 1][4];
-  load_q_frags<T, kKC>(p, rows, cur.kv_head, rb, qa);
+  load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
+  int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
+  int nlim0 = 0, nlim1 = 0;
   int stage = 0;
-  for (int w = blockIdx.x; w < range.total; w += grid) {
+  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
     if (w != static_cast<int>(blockIdx.x)) {
       cur = nxt;
-      nxt = nxt2;
-      rows = nrows;
+      lim0 = nlim0;
+      lim1 = nlim1;
       if constexpr (kPrefetchQ) {
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
 #pragma unroll
           for (int e = 0; e < 4; ++e) qa[kc][e] = qa_next[kc][e];
       } else {
-        load_q_frags<T, kKC>(p, rows, cur.kv_head, rb, qa);
+        load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
       }
     }
-    const int lim0 = rows.limit(cur, 0), lim1 = rows.limit(cur, 1);
-    const bool has_next = w + grid < range.total;
-    if (w + 2 * grid < range.total) nxt2.load(p, range, w + 2 * grid);
-    if (has_next) nrows.load(p, nxt, r0, r1);
+    const int nw = w + gridDim.x;
+    const bool has_next = nw < range.total;
+    if (has_next) nxt.load(p, range, nw);
     const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool active = rb * 16 < num_rows;  // warp-uniform
@@ -796,8 +750,11 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       }
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
-    if constexpr (kPrefetchQ) {
-      if (has_next) load_q_frags<T, kKC>(p, nrows, nxt.kv_head, rb, qa_next);
+    if (has_next) {
+      nlim0 = row_limit(p, nxt, r0);
+      nlim1 = row_limit(p, nxt, r1);
+      if constexpr (kPrefetchQ)
+        load_q_frags<T, kKC>(p, nxt.slot0, nxt.num_rows, nxt.kv_head, rb, qa_next);
     }
 
     bool writer = active;
