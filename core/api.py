@@ -281,6 +281,106 @@ class PrefixAttention:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
         table = _int32_page_ids(table, lens, indptr, self.page_size)
+        return self._plan_host(table, lens, indptr, packing, split_kv)
+
+    def plan_unshared(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        rows: torch.Tensor | np.ndarray | None = None,
+        split_kv: bool = True,
+    ) -> LaunchPlan:
+        """A plan that reads no page id on the host, so it never waits for the GPU.
+
+        Every request gets work items of its own (the ``per_query`` packing: shared pages,
+        if any, are read once per request). The items' page ids are taken from
+        ``block_table`` on its device, after the plan's arrays are loaded and in stream
+        order. The result is correct for any batch; an engine uses it for steps where it
+        expects no sharing (for example when the last step it looked at had none), and
+        :meth:`plan` otherwise.
+
+        Parameters
+        ----------
+        block_table:
+            int32 tensor [R, W] on this object's device, last dimension contiguous (a slice
+            of rows of an engine's larger table is fine). Its page ids are not checked on the
+            host: they must be valid pages of the caches passed to :meth:`run`.
+        seq_lens, qo_indptr:
+            Host arrays as in :meth:`plan`.
+        rows:
+            Host int array [B]: the row of ``block_table`` request b reads (default b), e.g.
+            any real row for an engine's padding requests.
+        """
+        if not isinstance(split_kv, bool):
+            raise TypeError(f"split_kv must be a bool, got {type(split_kv).__name__}")
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(
+                f"block_table must be a torch.Tensor on {self.device}, got "
+                f"{type(block_table).__name__}"
+            )
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be an int32 tensor, got {block_table.dtype}")
+        if block_table.dim() != 2:
+            raise ValueError(f"block_table must be 2-D, got shape {tuple(block_table.shape)}")
+        if block_table.device != self.device and not (
+            block_table.is_cuda and self.device.type == "cuda" and self.device.index is None
+        ):
+            raise ValueError(f"block_table is on {block_table.device}, expected {self.device}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError("block_table must have a contiguous last dimension")
+        lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64, copy=False)
+        b = lens.shape[0]
+        if qo_indptr is None:
+            indptr = np.arange(b + 1, dtype=np.int64)
+        else:
+            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64, copy=False)
+            if indptr.shape[0] != b + 1:
+                raise ValueError(
+                    f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
+                )
+        if rows is None:
+            row_of = np.arange(b, dtype=np.int64)
+        else:
+            row_of = _host_int_array("rows", rows, ndim=1).astype(np.int64, copy=False)
+            if row_of.shape[0] != b:
+                raise ValueError(f"rows has {row_of.shape[0]} entries but seq_lens has {b}")
+        num_rows, width = block_table.shape
+        if b and (row_of.min() < 0 or row_of.max() >= num_rows):
+            r = int(np.flatnonzero((row_of < 0) | (row_of >= num_rows))[0])
+            raise IndexError(
+                f"rows[{r}] = {int(row_of[r])} is outside block_table's {num_rows} rows"
+            )
+        cols = max(1, -(-int(lens.max(initial=0)) // self.page_size))
+        if cols > width:
+            r = int(np.argmax(lens))
+            raise ValueError(
+                f"seq_lens[{r}] = {int(lens[r])} needs {cols} pages but block_table rows hold "
+                f"{width} (page_size {self.page_size})"
+            )
+        # The host plans with positions in the table (row * W + column) as page ids: rows
+        # never share one, so the forest has no sharing, and the device maps positions to ids.
+        if num_rows * width > np.iinfo(np.int32).max:
+            raise ValueError(f"block_table has {num_rows * width} entries, more than int32 holds")
+        positions = (row_of[:, None] * width + np.arange(cols)[None, :]).astype(np.int32)
+        _check_lengths(positions, lens, indptr, self.page_size)
+        return self._plan_host(
+            positions, lens, indptr, "per_query", split_kv, page_table=block_table
+        )
+
+    def _plan_host(
+        self,
+        table: np.ndarray,
+        lens: np.ndarray,
+        indptr: np.ndarray,
+        packing: str,
+        split_kv: bool,
+        page_table: torch.Tensor | None = None,
+    ) -> LaunchPlan:
+        """The plan of checked host inputs; with ``page_table``, ``table`` holds positions in
+        it (row * width + column) that are replaced by its entries on the device."""
+        b = table.shape[0]
 
         if self.split_target is None:
             self.split_target = _split_target(self.device)
@@ -344,6 +444,16 @@ class PrefixAttention:
             self._reserve_workspace(acc["num_partials"])
         else:
             views = load_on_host(arrays)
+            if page_table is not None:  # keep the host arrays' positions
+                views["kv_pages"] = views["kv_pages"].clone()
+        if page_table is not None:
+            # Positions -> page ids, on the table's device and in stream order (no sync).
+            pages = views["kv_pages"]
+            if pages.numel():
+                pos = pages.long()
+                width = page_table.shape[1]
+                pages.copy_(page_table[pos // width, pos % width])
+            max_page_id = -1  # not known on the host
         plan = LaunchPlan(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,

@@ -138,6 +138,8 @@ class LaunchPlan:
     num_partials: int
     num_merge_tokens: int
     max_page_id: int
+    """Largest page id the plan reads; -1 when not known on the host
+    (:meth:`PrefixAttention.plan_unshared`)."""
     tiles: tuple[tuple[int, int], ...]
     tile_indptr: tuple[int, ...]
     # Accounting (bytes, one layer).

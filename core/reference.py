@@ -45,7 +45,8 @@ def run_plan_reference(
     dev = q.device
     partial_o = torch.empty(plan.num_partials, hq, d, dtype=cdt, device=dev)
     partial_lse = torch.empty(plan.num_partials, hq, dtype=cdt, device=dev)
-    kv_pages = torch.as_tensor(h.kv_pages, dtype=torch.long, device=dev)
+    # The plan's own page array (for plan_unshared the host array holds table positions).
+    kv_pages = plan.kv_pages.to(device=dev, dtype=torch.long)
     for w in range(plan.num_work_items):
         p0, p1 = int(h.kv_page_indptr[w]), int(h.kv_page_indptr[w + 1])
         kv_len = int(h.kv_len[w])

@@ -230,3 +230,30 @@ def test_unsupported_dtype_raises():
     k = torch.zeros(1, 16, 4, 128, device=DEV, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="float16 and bfloat16"):
         _ops.run_plan_cuda(plan, q, k, k, q.clone(), 0.1, _ops.Workspace(DEV))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("fixed_grid", [False, True])
+def test_plan_unshared_gathers_pages_on_device(page_size, fixed_grid):
+    """plan_unshared: the page ids come from a device table (rows at other places of a larger
+    table); shared pages are simply read once per request."""
+    rng = np.random.default_rng(7)
+    table, lens, num_pages = random_forest(rng, page_size, 40, 6, 70)
+    qo_lens = rng.integers(1, 4, len(lens)).astype(np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    b, w = table.shape
+    big = rng.integers(0, num_pages, (b + 5, w + 3)).astype(np.int32)
+    rows = rng.permutation(b + 5)[:b]
+    big[rows, :w] = table
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    k, v = make_cache(num_pages, page_size, 8, 128, torch.bfloat16, "NHD", True, gen)
+    q = torch.randn(int(qo_indptr[-1]), 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    pa = prefixattn.PrefixAttention(32, 8, 128, page_size, device=DEV, dtype=torch.bfloat16)
+    pa.fixed_grid = fixed_grid
+    plan = pa.plan_unshared(torch.from_numpy(big).to(DEV), lens, qo_indptr, rows=rows)
+    out = torch.full_like(q, float("nan"))
+    pa.run(q, k, v, out=out, plan=plan)
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", 1.0 / math.sqrt(128))
+    assert not torch.isnan(out).any(), "unwritten output elements"
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
