@@ -25,6 +25,7 @@ buffers the captured kernels read.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 from torch.profiler import record_function
 
-from prefixattn import CapturedBuffers, PrefixAttention, decode_reservation
+from prefixattn import CapturedBuffers, PrefixAttention, SharingProbe, decode_reservation
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -59,6 +60,11 @@ def core_supports_cuda_graphs() -> bool:
 
     return cuda_ops_available()
 
+
+UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
+"""Environment variable: ``0`` plans every step from a host copy of the batch's rows, also when
+the last batch looked at shared nothing (default ``1``: such steps use
+:meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
 
 GRAPH_REMEDY = (
     "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
@@ -143,6 +149,10 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_buffers = CapturedBuffers(GRAPH_REMEDY)
         """The :attr:`graph_core` buffers the captured decode graphs read."""
+        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
+        """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
+        shared no slot (no host copy of the batch's rows, so no wait for the GPU)."""
+        self.probe = SharingProbe()
 
     def _new_core(self) -> PrefixAttention:
         """A core for this model's attention shape and SGLang's NHD token-major KV pool."""
@@ -190,26 +200,43 @@ class PrefixAttnBackend(AttentionBackend):
                 "not supported (decode graphs are; prefill graphs only with the default "
                 "'breakable' backend, which runs attention outside the graph)"
             )
-        meta = self._plan(core, forward_batch)
+        meta = self._plan(core, forward_batch, capture=in_capture)
         self.graph_buffers.check(core)
         self.forward_metadata = meta
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the plan's device arrays are written before replay."""
 
-    def _plan(self, core: PrefixAttention, forward_batch: ForwardBatch) -> ForwardMetadata:
+    def _plan(
+        self, core: PrefixAttention, forward_batch: ForwardBatch, capture: bool = False
+    ) -> ForwardMetadata:
+        bs = forward_batch.batch_size
+        # Graph replays pad the batch at its end (rows of request 0): leave those out.
+        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        if self.unshared_plans and not capture and real > 0 and not self.probe.expects_sharing():
+            # The last batch looked at shared no slot: plan from the host lengths, with the
+            # page ids gathered on the device, and look at this batch on the side.
+            with record_function("prefixattn.plan"):
+                rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
+                plan = core.plan_unshared(rows, seq_lens, qo_indptr)
+            first = rows[:, 0]
+            self.probe.start(first, torch.arange(bs, device=first.device) < real)
+            return ForwardMetadata(plan, plan.num_tokens, core)
         # Named ranges for profiles (integration/trace_summary.py): the copy of the batch's
         # rows to the host waits for the work queued before it.
         with record_function("prefixattn.host_tables"):
             block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
+        if real > 0:
+            self.probe.observe(block_table[:real, 0])
         with record_function("prefixattn.plan"):
             plan = core.plan(block_table, seq_lens, qo_indptr)
         return ForwardMetadata(plan, plan.num_tokens, core)
 
     def _batch_tables(
-        self, forward_batch: ForwardBatch
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Block table [B, pages], seq_lens [B] and qo_indptr [B+1] (None for decode), on host."""
+        self, forward_batch: ForwardBatch, on_host: bool = True
+    ) -> tuple[Any, np.ndarray, np.ndarray | None]:
+        """Block table [B, pages] (on the host, or with ``on_host=False`` an int32 tensor on
+        the pool's device), seq_lens [B] and qo_indptr [B+1] (None for decode) on the host."""
         bs = forward_batch.batch_size
         seq_lens_cpu = forward_batch.seq_lens_cpu
         if seq_lens_cpu is None or seq_lens_cpu.shape[0] < bs:
@@ -222,10 +249,14 @@ class PrefixAttnBackend(AttentionBackend):
         # One gather and one device-to-host copy of the batch's rows; with page_size > 1
         # only the first slot of each page travels.
         rows = self.req_to_token_pool.req_to_token[req, :max_len:ps]
-        block_table = rows.cpu().numpy()
-        if ps > 1:  # slot -> page id (a page's slots are consecutive, its first one aligned)
-            block_table = block_table // ps
-        block_table = block_table.astype(np.int32, copy=False)
+        block_table: Any
+        if on_host:
+            block_table = rows.cpu().numpy()
+            if ps > 1:  # slot -> page id (a page's slots are consecutive, its first aligned)
+                block_table = block_table // ps
+            block_table = block_table.astype(np.int32, copy=False)
+        else:
+            block_table = (rows // ps if ps > 1 else rows).to(torch.int32).contiguous()
 
         mode = forward_batch.forward_mode
         if mode.is_decode():

@@ -56,6 +56,7 @@ from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from prefixattn import (
     CapturedBuffers,
     PrefixAttention,
+    SharingProbe,
     decode_reservation,
     decode_slots_per_token,
 )
@@ -153,6 +154,11 @@ class PrefixAttentionBackend(AttentionBackend):
 NULL_BLOCK = 0
 """vLLM's null block (``NULL_BLOCK_ID``): never given to a request, always a valid page id.
 Padding tokens of a full-graph batch attend to its first slot."""
+
+UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
+"""Environment variable: ``0`` plans every step from a host copy of the block table, also when
+the last batch looked at shared nothing (default ``1``: such steps use
+:meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
 
 SLOTS_PER_TOKEN_ENV = "PREFIXATTN_VLLM_GRAPH_SLOTS_PER_TOKEN"
 """Environment variable: (work item, token) slots reserved per captured token, overriding
@@ -322,6 +328,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         self.graph = CapturedBuffers(_remedy(self.slots_per_token))
         if self.full_graphs:
             self.reserve_for_graphs()
+        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
+        """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
+        shared no block (no host copy of the block table, so no wait for the GPU)."""
+        self.probe = SharingProbe()
 
     def _new_attention(self) -> PrefixAttention:
         return PrefixAttention(
@@ -388,20 +398,47 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         else:
             attention, graph, num_tokens = self.attention, None, n_real
 
-        # Named ranges for profiles (integration/trace_summary.py): the copy of the block
-        # table to the host waits for the work queued before it.
-        with record_function("prefixattn.host_tables"):
-            table, lens = self._host_table_and_lens(cm, b)
-        indptr = qsl[: b + 1]
         pad = num_tokens - n_real
-        if pad:
-            # Tokens beyond the last request (full-graph padding): one request each, length 1
-            # on the null block, so the plan covers every row the captured run reads.
-            table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
-            lens = np.concatenate([lens, np.ones(pad, np.int32)])
-            indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
-        with record_function("prefixattn.plan"):
-            plan = attention.plan(table, lens, indptr)
+        host_lens = cm.seq_lens_cpu_upper_bound
+        if (
+            self.unshared_plans
+            and not capture
+            and b > 0
+            and self.exact_host_seq_lens
+            and host_lens is not None
+            and cm.block_table_tensor.dtype == torch.int32
+            and not self.probe.expects_sharing()
+        ):
+            # The last batch looked at shared no block: plan from the host lengths, with the
+            # page ids gathered from the device table, and look at this batch on the side.
+            lens = host_lens[:b].numpy().astype(np.int32)
+            indptr, rows = qsl[: b + 1], np.arange(b, dtype=np.int32)
+            if pad:  # padding tokens: one request each, reading one slot of row 0's block
+                lens = np.concatenate([lens, np.ones(pad, np.int32)])
+                indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
+                rows = np.concatenate([rows, np.zeros(pad, np.int32)])
+            with record_function("prefixattn.plan"):
+                plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
+            self.probe.start(cm.block_table_tensor[:b, 0])
+        else:
+            # Named ranges for profiles (integration/trace_summary.py): the copy of the block
+            # table to the host waits for the work queued before it.
+            with record_function("prefixattn.host_tables"):
+                table, lens = self._host_table_and_lens(cm, b)
+            if b:
+                self.probe.observe(table[:, 0])
+            indptr = qsl[: b + 1]
+            if pad:
+                # Tokens beyond the last request (full-graph padding): one request each,
+                # length 1 on the null block, so the plan covers every row the captured run
+                # reads.
+                table = np.concatenate(
+                    [table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)]
+                )
+                lens = np.concatenate([lens, np.ones(pad, np.int32)])
+                indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
+            with record_function("prefixattn.plan"):
+                plan = attention.plan(table, lens, indptr)
         if graph is not None and not capture:
             graph.check(attention)
         return PrefixAttentionMetadata(

@@ -12,6 +12,7 @@ from .api import CapturedBuffers, PrefixAttention, decode_reservation, decode_sl
 from .forest import PrefixForest, build_forest
 from .plan import LaunchPlan, PlanArrays
 from .reference import attention_reference, run_plan_reference
+from .sharing import SharingProbe, shares_pages
 from .workloads import PAT_TREES, parse_tree, tree_batch
 
 __all__ = [
@@ -21,12 +22,14 @@ __all__ = [
     "PlanArrays",
     "PrefixAttention",
     "PrefixForest",
+    "SharingProbe",
     "attention_reference",
     "build_forest",
     "decode_reservation",
     "decode_slots_per_token",
     "parse_tree",
     "run_plan_reference",
+    "shares_pages",
     "tree_batch",
 ]
 

@@ -11,7 +11,7 @@ from conftest import Batch, batches, random_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixattn import PrefixAttention, attention_reference
+from prefixattn import PrefixAttention, SharingProbe, attention_reference, shares_pages
 
 
 @settings(max_examples=80, deadline=None)
@@ -106,3 +106,18 @@ def test_table_on_another_device_is_refused() -> None:
     table = torch.zeros(2, 2, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="is on meta"):
         pa.plan_unshared(table, np.array([1, 1]))
+
+
+def test_sharing_probe_on_host_tensors() -> None:
+    probe = SharingProbe()
+    assert probe.sharing is None and probe.expects_sharing()
+    probe.start(torch.tensor([4, 9, 2], dtype=torch.int32))
+    assert probe.sharing is False and not probe.expects_sharing()
+    # Request 2's first page is request 0's; the padding row (also 4) does not count.
+    probe.start(torch.tensor([4, 9, 4, 4]), torch.tensor([True, True, True, False]))
+    assert probe.sharing is True
+    probe.start(torch.tensor([4, 9, 5, 4]), torch.tensor([True, True, True, False]))
+    assert probe.sharing is False
+    probe.observe(np.array([1, 1]))
+    assert probe.expects_sharing()
+    assert shares_pages(np.array([3, 1, 3])) and not shares_pages(np.array([], np.int32))

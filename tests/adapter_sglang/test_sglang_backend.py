@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("sglang")
@@ -191,7 +192,9 @@ def _forward_batch(mode: ForwardMode, rows: list[list[int]], new_lens: list[int]
     return batch
 
 
-def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2):
+def _run_case(
+    page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2, unshared: bool = False
+):
     head_dim = 64
     gen = torch.Generator().manual_seed(1234 + page_size)
     rows = _rows(TREE, page_size)
@@ -233,10 +236,16 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
     batch = _forward_batch(forward_mode, rows, new_lens)
     out_cache_loc = batch.out_cache_loc
 
+    if unshared:  # the last batch looked at shared nothing: plan without the host copy
+        backend.probe.observe(np.arange(3))
     backend.init_forward_metadata(batch)
     plan = backend.forward_metadata.plan
-    # Shared prefixes are found: fewer distinct KV bytes than one read per request.
-    assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+    if unshared:
+        assert plan.packing == "per_query" and plan.max_page_id == -1
+        assert backend.probe.sharing is True  # this batch shares: the next step copies
+    else:
+        # Shared prefixes are found: fewer distinct KV bytes than one read per request.
+        assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
 
     qo_indptr = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
     for layer in layers:
@@ -255,8 +264,16 @@ def _run_case(page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int =
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("mode", ["decode", "extend", "mixed"])
-def test_shared_prefix_batch_equals_plain_attention(page_size: int, mode: str):
-    _run_case(page_size, mode)
+@pytest.mark.parametrize("unshared", [False, True])
+def test_shared_prefix_batch_equals_plain_attention(page_size: int, mode: str, unshared: bool):
+    _run_case(page_size, mode, unshared=unshared)
+
+
+def test_unshared_plans_switch(monkeypatch: pytest.MonkeyPatch):
+    """PREFIXATTN_UNSHARED_PLANS=0: every step copies the rows, whatever was seen before."""
+    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
+    backend = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4))
+    assert backend.unshared_plans is False
 
 
 def test_mha_heads():

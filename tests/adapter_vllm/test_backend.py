@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -114,7 +115,7 @@ class Batch:
         self.slot_mapping = torch.tensor(slots, dtype=torch.int64)
         self.num_tokens = n
 
-    def metadata(self, pad: int = 0) -> CommonAttentionMetadata:
+    def metadata(self, pad: int = 0, host_lens: bool = False) -> CommonAttentionMetadata:
         q_lens = self.qo_indptr[1:] - self.qo_indptr[:-1]
         slot_mapping = torch.cat([self.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)])
         return CommonAttentionMetadata(
@@ -128,6 +129,7 @@ class Batch:
             block_table_tensor=self.block_table.clone(),
             slot_mapping=slot_mapping,
             causal=True,
+            seq_lens_cpu_upper_bound=self.seq_lens.clone() if host_lens else None,
         )
 
 
@@ -150,6 +152,7 @@ class _Layer(torch.nn.Module):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("unshared", [False, True])
 def test_builder_and_forward_match_plain_attention(
     vllm_config: VllmConfig,
     dtype: torch.dtype,
@@ -158,13 +161,22 @@ def test_builder_and_forward_match_plain_attention(
     mixed: bool,
     pad: int,
     seed: int,
+    unshared: bool,
 ) -> None:
+    """``unshared``: the builder's last look found no sharing, so this step (whose requests do
+    share blocks) is planned without a host copy of the table; the result is the same."""
     rng = torch.Generator().manual_seed(seed * 1000 + block_size * 10 + num_reqs)
     batch = Batch(rng, block_size, num_reqs, mixed)
     builder = PrefixAttentionMetadataBuilder(
         _spec(dtype, block_size), ["layer.0"], vllm_config, torch.device("cpu")
     )
-    metadata = builder.build(common_prefix_len=0, common_attn_metadata=batch.metadata(pad))
+    if unshared:
+        builder.probe.observe(np.arange(3))
+    metadata = builder.build(
+        common_prefix_len=0, common_attn_metadata=batch.metadata(pad, host_lens=unshared)
+    )
+    assert (metadata.plan.max_page_id == -1) == unshared
+    assert metadata.plan.packing == ("per_query" if unshared else "memory")
 
     shape = PrefixAttentionBackend.get_kv_cache_shape(
         batch.num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM
@@ -219,6 +231,30 @@ def test_profiling_run_without_metadata(vllm_config: VllmConfig) -> None:
     kv = torch.zeros(PrefixAttentionBackend.get_kv_cache_shape(2, 16, NUM_KV_HEADS, HEAD_DIM))
     assert impl.forward(_Layer(), q, q, q, kv, None, out) is out
     assert torch.all(out == 0)
+
+
+def test_plans_follow_the_sharing_seen(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step after one without shared blocks is planned from lengths alone; a step that then
+    shows sharing switches the next one back to the prefix-aware plan."""
+    rng = torch.Generator().manual_seed(11)
+    shared = Batch(rng, 16, 8, False)
+    private = Batch(rng, 16, 8, False)
+    private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    kinds = []
+    for batch in (private, private, shared, shared, private, private):
+        plan = builder.build(0, batch.metadata(host_lens=True)).plan
+        kinds.append(plan.packing)
+    # first step: nothing seen yet; the 3rd is planned unshared but shows sharing (4th: memory)
+    assert kinds == ["memory", "per_query", "per_query", "memory", "memory", "per_query"]
+    # Without host lengths (speculative decoding) or with the switch off: always copied.
+    assert builder.build(0, private.metadata()).plan.packing == "memory"
+    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
+    off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    for _ in range(2):
+        assert off.build(0, private.metadata(host_lens=True)).plan.packing == "memory"
 
 
 def test_one_plan_per_step_shared_by_layers(vllm_config: VllmConfig) -> None:

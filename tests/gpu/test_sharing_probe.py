@@ -1,0 +1,28 @@
+"""SharingProbe on device tensors: the verdict arrives through an asynchronous copy."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from prefixattn import SharingProbe  # noqa: E402
+
+
+def test_verdict_after_the_copy_lands():
+    probe = SharingProbe()
+    pages = torch.tensor([[7, 1], [3, 2], [7, 5]], dtype=torch.int32, device="cuda")
+    probe.start(pages[:, 0])
+    torch.cuda.synchronize()
+    assert probe.expects_sharing() and probe.sharing is True
+    real = torch.tensor([True, True, False], device="cuda")
+    probe.start(pages[:, 0], real)  # the third row is padding
+    torch.cuda.synchronize()
+    assert not probe.expects_sharing() and probe.sharing is False
+    # While a copy is in flight a second start is ignored, not queued over it.
+    probe._pending = True
+    probe.start(pages[:, 0])
+    probe._pending = False
+    assert probe.sharing is False
