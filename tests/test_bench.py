@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,35 @@ def test_kernel_breakdown() -> None:
         "merge_kernel<__nv_bfloat16, 128>": {"per_call": 1.0, "us": 7.5},
     }
     assert kernel_breakdown([{"name": flush, "ts": 0, "dur": 1}]) == {"calls": 0}
+
+
+def test_compare_builds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/compare_builds.py: runs of a side averaged per configuration; geomeans."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_builds", Path(__file__).parent.parent / "benchmarks" / "compare_builds.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def report(name: str, times: list[float], fi: float) -> str:
+        rows = [
+            {"tree": t, "heads": [32, 8], "page_size": 16, "floor_us": 10.0,
+             "prefixattn_us": us, "fi_decode_us": fi}
+            for t, us in zip(["a", "b"], times, strict=True)
+        ]  # fmt: skip
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": rows}))
+        return str(path)
+
+    base = [report("b1.json", [20.0, 40.0], 50.0), report("b2.json", [20.0, 40.0], 50.0)]
+    new = [report("n1.json", [10.0, 40.0], 55.0), report("n2.json", [10.0, 40.0], 55.0)]
+    result = mod.compare(base, new)
+    assert [r["new_over_base"] for r in result["rows"]] == [0.5, 1.0]
+    assert abs(result["geomean_new_over_base"] - 0.5**0.5) < 1e-12
+    assert abs(result["geomean_fi_decode_drift"] - 1.1) < 1e-12
+    assert abs(result["geomean_pct_floor_base"] - 100 * (0.5 * 0.25) ** 0.5) < 1e-9
+    assert "| a | 32,8 | 16 |" in mod.to_markdown(result)

@@ -237,6 +237,7 @@ def _run_case(
     out_cache_loc = batch.out_cache_loc
 
     if unshared:  # the last batch looked at shared nothing: plan without the host copy
+        backend.unshared_plans = True
         backend.probe.observe(np.arange(3))
     backend.init_forward_metadata(batch)
     plan = backend.forward_metadata.plan
@@ -270,10 +271,10 @@ def test_shared_prefix_batch_equals_plain_attention(page_size: int, mode: str, u
 
 
 def test_unshared_plans_switch(monkeypatch: pytest.MonkeyPatch):
-    """PREFIXATTN_UNSHARED_PLANS=0: every step copies the rows, whatever was seen before."""
-    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
-    backend = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4))
-    assert backend.unshared_plans is False
+    """Off by default in SGLang (every step copies the rows); PREFIXATTN_UNSHARED_PLANS=1 on."""
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is False
+    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "1")
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is True
 
 
 def test_mha_heads():
