@@ -168,6 +168,18 @@ GRAPH_DEPTH_ALLOWANCE = DECODE_DEPTH_ALLOWANCE
 """Prefix levels per request that the CUDA-graph reservation allows for (the core's)."""
 
 
+def _with_padding(
+    lens: np.ndarray, qsl: np.ndarray, b: int, pad: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``seq_lens`` and ``qo_indptr`` of the ``b`` real requests plus ``pad`` tokens beyond the
+    last one (full-graph padding): one request each, of length 1, so the plan covers every row
+    the captured run reads."""
+    n_real = int(qsl[b])
+    lens = np.concatenate([lens, np.ones(pad, np.int32)])
+    indptr = np.concatenate([qsl[: b + 1], n_real + np.arange(1, pad + 1, dtype=np.int32)])
+    return lens, indptr
+
+
 def graph_slots_per_token(max_context_len: int, max_reqs: int) -> int:
     """(work item, token) slots one decode token of a graph batch can take: the core's
     :func:`decode_slots_per_token`."""
@@ -411,12 +423,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         ):
             # The last batch looked at shared no block: plan from the host lengths, with the
             # page ids gathered from the device table, and look at this batch on the side.
-            lens = host_lens[:b].numpy().astype(np.int32)
-            indptr, rows = qsl[: b + 1], np.arange(b, dtype=np.int32)
-            if pad:  # padding tokens: one request each, reading one slot of row 0's block
-                lens = np.concatenate([lens, np.ones(pad, np.int32)])
-                indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
-                rows = np.concatenate([rows, np.zeros(pad, np.int32)])
+            lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
+            # Padding tokens read one slot of row 0's first block.
+            rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             with record_function("prefixattn.plan"):
                 plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
             self.probe.start(cm.block_table_tensor[:b, 0])
@@ -427,16 +436,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
                 table, lens = self._host_table_and_lens(cm, b)
             if b:
                 self.probe.observe(table[:, 0])
-            indptr = qsl[: b + 1]
-            if pad:
-                # Tokens beyond the last request (full-graph padding): one request each,
-                # length 1 on the null block, so the plan covers every row the captured run
-                # reads.
-                table = np.concatenate(
-                    [table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)]
-                )
-                lens = np.concatenate([lens, np.ones(pad, np.int32)])
-                indptr = np.concatenate([indptr, n_real + np.arange(1, pad + 1, dtype=np.int32)])
+            lens, indptr = _with_padding(lens, qsl, b, pad)
+            # Padding requests attend to the null block.
+            table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
             with record_function("prefixattn.plan"):
                 plan = attention.plan(table, lens, indptr)
         if graph is not None and not capture:

@@ -269,14 +269,7 @@ class PrefixAttention:
         b = table.shape[0]
         if lens.shape[0] != b:
             raise ValueError(f"seq_lens has {lens.shape[0]} entries but block_table has {b} rows")
-        if qo_indptr is None:
-            indptr = np.arange(b + 1, dtype=np.int64)
-        else:
-            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64, copy=False)
-            if indptr.shape[0] != b + 1:
-                raise ValueError(
-                    f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
-                )
+        indptr = _host_qo_indptr(qo_indptr, b)
         if packing not in PACKINGS:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
@@ -332,14 +325,7 @@ class PrefixAttention:
             raise ValueError("block_table must have a contiguous last dimension")
         lens = _host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64, copy=False)
         b = lens.shape[0]
-        if qo_indptr is None:
-            indptr = np.arange(b + 1, dtype=np.int64)
-        else:
-            indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64, copy=False)
-            if indptr.shape[0] != b + 1:
-                raise ValueError(
-                    f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}"
-                )
+        indptr = _host_qo_indptr(qo_indptr, b)
         if rows is None:
             row_of = np.arange(b, dtype=np.int64)
         else:
@@ -729,6 +715,16 @@ def _int32_page_ids(
         what = "a negative page id" if v < 0 else "a page id beyond int32 range"
         raise IndexError(f"block_table[{b}, {j}] = {v} is {what}")
     return table.astype(np.int32)  # unused entries may wrap: they are never read
+
+
+def _host_qo_indptr(qo_indptr: Any, b: int) -> np.ndarray:
+    """int64 host copy of ``qo_indptr`` [B+1] (None: one new token per request)."""
+    if qo_indptr is None:
+        return np.arange(b + 1, dtype=np.int64)
+    indptr = _host_int_array("qo_indptr", qo_indptr, ndim=1).astype(np.int64, copy=False)
+    if indptr.shape[0] != b + 1:
+        raise ValueError(f"qo_indptr must have B+1 = {b + 1} entries, got {indptr.shape[0]}")
+    return indptr
 
 
 def _check_scale(scale: Any) -> float:
