@@ -57,6 +57,7 @@ from prefixattn import (
     CapturedBuffers,
     PrefixAttention,
     SharingProbe,
+    TableHint,
     decode_reservation,
     decode_slots_per_token,
 )
@@ -159,6 +160,11 @@ UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
 """Environment variable: ``0`` plans every step from a host copy of the block table, also when
 the last batch looked at shared nothing (default ``1``: such steps use
 :meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
+
+HINTED_PLANS_ENV = "PREFIXATTN_HINTED_PLANS"
+"""Environment variable: ``0`` plans decode steps with sharing from a host copy of this step's
+block table (default ``1``: from an earlier step's copy, :meth:`PrefixAttention.plan_hinted`,
+checked on the device, so the copy never waits for the GPU)."""
 
 SLOTS_PER_TOKEN_ENV = "PREFIXATTN_VLLM_GRAPH_SLOTS_PER_TOKEN"
 """Environment variable: (work item, token) slots reserved per captured token, overriding
@@ -338,6 +344,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         )
         """``S``: (work item, token) slots reserved per token of the largest graph."""
         self.graph = CapturedBuffers(_remedy(self.slots_per_token))
+        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "1") != "0"
+        """Plan decode steps from an earlier step's host copy of the block table
+        (:meth:`PrefixAttention.plan_hinted`) instead of waiting for this step's."""
+        self.table_hint = TableHint()
         if self.full_graphs:
             self.reserve_for_graphs()
         self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
@@ -363,7 +373,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         self.attention.reserve(
             **decode_reservation(
                 t, t, self.max_model_len, self.block_size, slots_per_token=self.slots_per_token
-            )
+            ),
+            hinted=self.hinted_plans,
         )
 
     # ------------------------------------------------------------------ build
@@ -412,15 +423,16 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
 
         pad = num_tokens - n_real
         host_lens = cm.seq_lens_cpu_upper_bound
-        if (
-            self.unshared_plans
-            and not capture
+        # Plans that read page ids from the device table need exact host lengths.
+        device_table = (
+            not capture
             and b > 0
             and self.exact_host_seq_lens
             and host_lens is not None
             and cm.block_table_tensor.dtype == torch.int32
-            and not self.probe.expects_sharing()
-        ):
+        )
+        hint = self.table_hint.take() if device_table and self.hinted_plans and max_q <= 1 else None
+        if device_table and self.unshared_plans and not self.probe.expects_sharing():
             # The last batch looked at shared no block: plan from the host lengths, with the
             # page ids gathered from the device table, and look at this batch on the side.
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
@@ -429,6 +441,25 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             with record_function("prefixattn.plan"):
                 plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
             self.probe.start(cm.block_table_tensor[:b, 0])
+            if self.hinted_plans:  # the hint for when sharing shows up
+                self.table_hint.start(
+                    cm.block_table_tensor[:b, : self._columns(cm)], host_lens[:b].numpy(),
+                    self.block_size,
+                )  # fmt: skip
+        elif hint is not None:
+            # A decode step with sharing: the forest from an earlier step's copy of the
+            # table, checked on the device against this step's (no wait).
+            assert host_lens is not None
+            lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
+            rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
+            with record_function("prefixattn.plan"):
+                plan = attention.plan_hinted(cm.block_table_tensor, hint, lens, indptr, rows=rows)
+            self.probe.start(cm.block_table_tensor[:b, 0])
+            # This step's rows become a later step's hint once their copy lands.
+            self.table_hint.start(
+                cm.block_table_tensor[:b, : self._columns(cm)], host_lens[:b].numpy(),
+                self.block_size,
+            )  # fmt: skip
         else:
             # Named ranges for profiles (integration/trace_summary.py): the copy of the block
             # table to the host waits for the work queued before it.
@@ -436,6 +467,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
                 table, lens = self._host_table_and_lens(cm, b)
             if b:
                 self.probe.observe(table[:, 0])
+                if self.hinted_plans:
+                    self.table_hint.observe(table, lens, self.block_size)
             lens, indptr = _with_padding(lens, qsl, b, pad)
             # Padding requests attend to the null block.
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
@@ -452,14 +485,17 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             graph=graph,
         )
 
+    def _columns(self, cm: CommonAttentionMetadata) -> int:
+        """Block-table columns the batch uses. Worked example: block_size 16, max_seq_len 40
+        -> 3 columns."""
+        width = cm.block_table_tensor.shape[1]
+        return max(1, min(-(-cm.max_seq_len // self.block_size), width))
+
     def _host_table_and_lens(
         self, cm: CommonAttentionMetadata, b: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """int32 host copies of block-table rows ``:b`` (the columns in use) and ``seq_lens``."""
-        # Worked example: block_size 16, max_seq_len 40 -> 3 columns used.
-        width = cm.block_table_tensor.shape[1]
-        cols = max(1, min(-(-cm.max_seq_len // self.block_size), width))
-        block_table = cm.block_table_tensor[:b, :cols]
+        block_table = cm.block_table_tensor[:b, : self._columns(cm)]
         host_lens = cm.seq_lens_cpu_upper_bound
         if self.exact_host_seq_lens and host_lens is not None:
             table = block_table.to("cpu", torch.int32).numpy()

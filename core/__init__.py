@@ -12,7 +12,7 @@ from .api import CapturedBuffers, PrefixAttention, decode_reservation, decode_sl
 from .forest import PrefixForest, build_forest
 from .plan import LaunchPlan, PlanArrays
 from .reference import attention_reference, run_plan_reference
-from .sharing import SharingProbe, shares_pages
+from .sharing import SharingProbe, TableHint, shares_pages
 from .workloads import PAT_TREES, parse_tree, tree_batch
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "PrefixAttention",
     "PrefixForest",
     "SharingProbe",
+    "TableHint",
     "attention_reference",
     "build_forest",
     "decode_reservation",

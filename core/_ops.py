@@ -96,6 +96,7 @@ def run_plan_cuda(
     prefetch_tiles: int = 0,
     fixed_grid: bool = False,
     concurrent: bool = False,
+    fixed_variants: int = -1,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
@@ -133,4 +134,5 @@ def run_plan_cuda(
         int(prefetch_tiles),
         bool(fixed_grid),
         bool(concurrent),
+        int(fixed_variants),
     )

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from .buffers import COUNTS_LEN, PlanBuffers, load_on_host, variant_bounds
+from .buffers import COUNTS_LEN, VARIANT_ROWS, PlanBuffers, load_on_host, variant_bounds
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
 from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, pack
-from .plan import LaunchPlan
+from .plan import LaunchPlan, PlanArrays
 from .reference import run_plan_reference
 from .tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
 
@@ -153,6 +155,7 @@ class PrefixAttention:
         self._plan: LaunchPlan | None = None
         self._buffers: PlanBuffers | None = None
         self._workspace: Any = None
+        self._guard: _Guard | None = None
         self.use_kernels = True
         """Run plans on the CUDA kernels when they are built (CUDA fp16/bf16 tensors)."""
         self.prefetch_tiles = 0
@@ -195,27 +198,62 @@ class PrefixAttention:
         unchanged; call :meth:`reserve` before capturing to size the buffers for the largest
         batch.
         """
-        return 0 if self._buffers is None else self._buffers.generation
+        main = 0 if self._buffers is None else self._buffers.generation
+        # Both only grow, so their sum changes whenever either does.
+        return main + (0 if self._guard is None else self._guard.buffers.generation)
 
-    def reserve(self, num_work_items: int, num_pages: int, num_slots: int, num_tokens: int) -> None:
+    def reserve(
+        self,
+        num_work_items: int,
+        num_pages: int,
+        num_slots: int,
+        num_tokens: int,
+        *,
+        hinted: bool = False,
+    ) -> None:
         """Size the plan's device buffers and the fp32 partials scratch (CUDA devices) for
         plans up to these counts.
 
         num_work_items: work items; num_pages: page ids over all items (at most the query-
         centric total); num_slots: (item, token) pairs; num_tokens: tokens per step.
+        hinted: also set up (and size) the fallback of :meth:`plan_hinted`, so that every
+        :meth:`run` from now on, and every CUDA graph captured over it, also launches the
+        fallback plan (empty unless a hinted plan's check failed). Needed before capturing
+        graphs that will replay hinted plans.
         """
         if self.device.type != "cuda":
             return
         if self._buffers is None:
             self._buffers = PlanBuffers(self.device)
-        w, p, s, t = num_work_items, num_pages, num_slots, num_tokens
-        self._buffers.reserve(
-            kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
-            q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
-            merge_partials=s, counts=COUNTS_LEN,
-        )  # fmt: skip
+        sizes = _buffer_sizes(num_work_items, num_pages, num_slots, num_tokens)
+        self._buffers.reserve(**sizes)
+        if hinted:
+            self._enable_guard().buffers.reserve(**sizes)
         # Every partial row is one (item, token) slot, so slots bound the partials.
-        self._reserve_workspace(s)
+        self._reserve_workspace(num_slots)
+
+    def _enable_guard(self) -> _Guard:
+        """The fallback state of hinted plans (created once, with an empty fallback plan)."""
+        if self._guard is not None:
+            return self._guard
+        guard = _Guard(self.device)
+        self._guard = guard
+        one = np.ones(1, np.int64)
+        guard.plan = self._plan_host(
+            np.zeros((1, 1), np.int32), one, np.arange(2, dtype=np.int64), "per_query", False,
+            buffers=guard.buffers, remember=False,
+        )  # fmt: skip
+        guard.plan.counts.zero_()
+        # A fallback plan (one decode token per request, no split) only ever uses the tile
+        # height of one token's rows, and has no merge.
+        height = self.tiles.select(self.num_qo_heads // self.num_kv_heads, 1)[0]
+        guard.variants = 1 << VARIANT_ROWS.index(height)
+        return guard
+
+    def _quiet_fallback(self) -> None:
+        """A plan that is not hinted was loaded: the fallback launches must do nothing."""
+        if self._guard is not None and self._guard.plan is not None:
+            self._guard.plan.counts.zero_()
 
     def _reserve_workspace(self, num_partials: int) -> None:
         from . import _ops
@@ -223,7 +261,8 @@ class PrefixAttention:
         if self._workspace is None:
             self._workspace = _ops.Workspace(self.device)
         if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim):
-            assert self._buffers is not None
+            if self._buffers is None:
+                self._buffers = PlanBuffers(self.device)
             self._buffers.generation += 1
 
     @property
@@ -274,7 +313,9 @@ class PrefixAttention:
             raise ValueError(f"unknown packing {packing!r}; expected one of {', '.join(PACKINGS)}")
         _check_lengths(table, lens, indptr, self.page_size)
         table = _int32_page_ids(table, lens, indptr, self.page_size)
-        return self._plan_host(table, lens, indptr, packing, split_kv)
+        plan = self._plan_host(table, lens, indptr, packing, split_kv)
+        self._quiet_fallback()
+        return plan
 
     def plan_unshared(
         self,
@@ -308,6 +349,128 @@ class PrefixAttention:
         """
         if not isinstance(split_kv, bool):
             raise TypeError(f"split_kv must be a bool, got {type(split_kv).__name__}")
+        lens, indptr, row_of, cols = self._device_table_inputs(
+            block_table, seq_lens, qo_indptr, rows
+        )
+        # Positions as page ids: rows never share one, so the forest has no sharing.
+        positions = (row_of[:, None] * block_table.shape[1] + np.arange(cols)[None, :]).astype(
+            np.int32
+        )
+        _check_lengths(positions, lens, indptr, self.page_size)
+        plan = self._plan_host(
+            positions, lens, indptr, "per_query", split_kv, page_table=block_table
+        )
+        self._quiet_fallback()
+        return plan
+
+    def plan_hinted(
+        self,
+        block_table: torch.Tensor,
+        hint: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        rows: torch.Tensor | np.ndarray | None = None,
+    ) -> LaunchPlan:
+        """A prefix-aware decode plan whose forest comes from a host ``hint`` of the block
+        table (for example the previous step's copy), so it never waits for the GPU.
+
+        The hint only decides which requests share which pages. Every page id the kernels read
+        is taken from ``block_table`` on its device, in stream order; a device check then
+        compares, for every work item, the pages of each of its requests with those of the
+        request it reads them from. If any differ (the hint was stale: rows were reordered,
+        replaced or rewritten), the plan's launches do nothing and a per-request plan (as
+        :meth:`plan_unshared`, no split) that was loaded beside it runs instead. The result
+        is correct for any hint; a good hint makes it as fast as :meth:`plan`.
+
+        Parameters
+        ----------
+        block_table:
+            int32 tensor [R, W] on this object's device, last dimension contiguous (as in
+            :meth:`plan_unshared`).
+        hint:
+            Host int array [R', W'] believed to equal ``block_table``'s first R' rows on its
+            first W' columns; negative entries mean unknown (e.g. pages a request gained since
+            the copy). Rows and columns it lacks are unknown too; unknown pages are private.
+        seq_lens, qo_indptr, rows:
+            As in :meth:`plan_unshared`; at most one new token per request (decode steps).
+
+        On a CUDA device the first call sets up the fallback's buffers (see :meth:`reserve`,
+        ``hinted``); from then on every :meth:`run` also launches the fallback plan, which is
+        empty unless a hinted plan's check failed.
+        """
+        lens, indptr, row_of, cols = self._device_table_inputs(
+            block_table, seq_lens, qo_indptr, rows
+        )
+        q_lens = np.diff(indptr)
+        if (q_lens > 1).any():
+            r = int(np.flatnonzero(q_lens > 1)[0])
+            raise ValueError(
+                f"plan_hinted plans decode steps (at most one new token per request), but "
+                f"request {r} has {int(q_lens[r])}; plan this step with plan() or plan_unshared()"
+            )
+        hint_arr = _host_int_array("hint", hint, ndim=2)
+        b, width, ps = lens.shape[0], block_table.shape[1], self.page_size
+        # The planning table: hinted page ids where known, a unique id past them elsewhere.
+        table = np.full((b, cols), -1, np.int64)
+        known = row_of < hint_arr.shape[0]
+        hc = min(cols, hint_arr.shape[1])
+        table[known, :hc] = hint_arr[row_of[known], :hc]
+        unknown = table < 0
+        base = max(int(hint_arr.max(initial=-1)), -1) + 1
+        if base + table.size > np.iinfo(np.int32).max:
+            raise ValueError(f"hint holds page id {base - 1}, too large to plan with (int32)")
+        table[unknown] = base + np.flatnonzero(unknown.ravel())
+        table = table.astype(np.int32)
+        _check_lengths(table, lens, indptr, ps)
+        positions = (row_of[:, None] * width + np.arange(cols)[None, :]).astype(np.int32)
+        guard = self._enable_guard() if self.device.type == "cuda" else None
+        fallback = self._plan_host(
+            positions, lens, indptr, "per_query", False, page_table=block_table,
+            buffers=None if guard is None else guard.buffers, remember=False,
+        )  # fmt: skip
+        if guard is not None:
+            used = {VARIANT_ROWS.index(m) for m, _ in fallback.tiles}
+            if fallback.num_merge_tokens or any(not (guard.variants >> v) & 1 for v in used):
+                raise RuntimeError(
+                    f"prefixattn internal error: the fallback plan uses tiles {fallback.tiles} "
+                    f"and {fallback.num_merge_tokens} merges, outside its launches"
+                )
+        primary = self._plan_host(
+            table, lens, indptr, "memory", True, page_table=block_table,
+            positions_of=lambda host: _hint_positions(host, indptr, row_of, width, ps),
+        )  # fmt: skip
+        a0, b0, n = _hint_checks(primary.host, indptr, row_of, width, ps)
+        taken = torch.zeros((), dtype=torch.bool, device=self.device)
+        if n.size:
+            start = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+            total = int(start[-1])
+            arrays = {"a": a0, "b": b0, "n": n, "start": start[:-1].astype(np.int32)}
+            v = guard.check_buffers.load(arrays) if guard is not None else load_on_host(arrays)
+            seg = torch.repeat_interleave(
+                torch.arange(n.size, device=self.device), v["n"].long(), output_size=total
+            )
+            off = torch.arange(total, device=self.device) - v["start"].long()[seg]
+            pa = v["a"].long()[seg] + off
+            pb = v["b"].long()[seg] + off
+            pages_a = block_table[pa // width, pa % width]
+            pages_b = block_table[pb // width, pb % width]
+            taken = (pages_a != pages_b).any()
+        primary.counts.mul_((~taken).to(torch.int32))
+        fallback.counts.mul_(taken.to(torch.int32))
+        plan = dataclasses.replace(primary, fallback=fallback, fallback_taken=taken)
+        self._plan = plan
+        return plan
+
+    def _device_table_inputs(
+        self,
+        block_table: Any,
+        seq_lens: Any,
+        qo_indptr: Any,
+        rows: Any,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Checked (lens, qo_indptr, row of each request, columns used) of plans that read
+        page ids from a device table."""
         if not isinstance(block_table, torch.Tensor):
             raise TypeError(
                 f"block_table must be a torch.Tensor on {self.device}, got "
@@ -345,15 +508,11 @@ class PrefixAttention:
                 f"seq_lens[{r}] = {int(lens[r])} needs {cols} pages but block_table rows hold "
                 f"{width} (page_size {self.page_size})"
             )
-        # The host plans with positions in the table (row * W + column) as page ids: rows
-        # never share one, so the forest has no sharing, and the device maps positions to ids.
+        # The host plans with positions in the table (row * W + column) standing for page ids;
+        # the device maps positions to ids.
         if num_rows * width > np.iinfo(np.int32).max:
             raise ValueError(f"block_table has {num_rows * width} entries, more than int32 holds")
-        positions = (row_of[:, None] * width + np.arange(cols)[None, :]).astype(np.int32)
-        _check_lengths(positions, lens, indptr, self.page_size)
-        return self._plan_host(
-            positions, lens, indptr, "per_query", split_kv, page_table=block_table
-        )
+        return lens, indptr, row_of, cols
 
     def _plan_host(
         self,
@@ -363,9 +522,16 @@ class PrefixAttention:
         packing: str,
         split_kv: bool,
         page_table: torch.Tensor | None = None,
+        *,
+        positions_of: Callable[[PlanArrays], np.ndarray] | None = None,
+        buffers: PlanBuffers | None = None,
+        remember: bool = True,
     ) -> LaunchPlan:
-        """The plan of checked host inputs; with ``page_table``, ``table`` holds positions in
-        it (row * width + column) that are replaced by its entries on the device."""
+        """The plan of checked host inputs; with ``page_table``, the page array loaded holds
+        positions in it (row * width + column) that are replaced by its entries on the device:
+        ``table``'s own entries, or ``positions_of(host arrays)``. ``buffers``: where the
+        arrays go on a CUDA device (default: this object's); ``remember``: make it the plan
+        :meth:`run` uses by default."""
         b = table.shape[0]
 
         if self.split_target is None:
@@ -420,11 +586,15 @@ class PrefixAttention:
             dtype=np.int32,
         )  # fmt: skip
         arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}
+        if positions_of is not None:
+            arrays["kv_pages"] = positions_of(host)
         dev = self.device
         if dev.type == "cuda":
-            if self._buffers is None:
-                self._buffers = PlanBuffers(dev)
-            views = self._buffers.load(arrays)
+            if buffers is None:
+                if self._buffers is None:
+                    self._buffers = PlanBuffers(dev)
+                buffers = self._buffers
+            views = buffers.load(arrays)
             # The fp32 partials scratch grows here, on the host side of the step, so that
             # buffers_generation tells graph users about it before any replay.
             self._reserve_workspace(acc["num_partials"])
@@ -468,7 +638,8 @@ class PrefixAttention:
             host=host,
             forest=forest,
         )
-        self._plan = plan
+        if remember:
+            self._plan = plan
         return plan
 
     # ------------------------------------------------------------------- run
@@ -521,7 +692,19 @@ class PrefixAttention:
                     prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
                     concurrent=self.concurrent_groups,
                 )  # fmt: skip
+                if self._guard is not None:
+                    # The fallback of hinted plans: its counts are zero unless a check failed
+                    # (then the plan above did nothing).
+                    fallback = plan.fallback or self._guard.plan
+                    assert fallback is not None
+                    _ops.run_plan_cuda(
+                        fallback, q, k_cache, v_cache, out, scale, self._workspace,
+                        prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
+                        fixed_variants=self._guard.variants,
+                    )  # fmt: skip
                 return out
+        if plan.fallback is not None and plan.fallback_taken is not None and plan.fallback_taken:
+            plan = plan.fallback  # the hint's check failed
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
 
     def _check_run_inputs(
@@ -778,6 +961,66 @@ def _check_pages(
         read = _entries_read(table, lens, indptr, page_size)
         b, j = (int(x) for x in np.argwhere(read & (table < 0))[0])
         raise IndexError(f"block_table[{b}, {j}] = {int(table[b, j])} is a negative page id")
+
+
+def _buffer_sizes(w: int, p: int, s: int, t: int) -> dict[str, int]:
+    """Plan buffer sizes for ``w`` items, ``p`` page ids, ``s`` slots and ``t`` tokens."""
+    return dict(
+        kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
+        q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
+        merge_partials=s, counts=COUNTS_LEN,
+    )  # fmt: skip
+
+
+class _Guard:
+    """Device state of hinted plans: the fallback plan's buffers, the buffers of the check's
+    inputs, the fallback plan the launches read, and the kernel variants it may use."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffers = PlanBuffers(device)
+        self.check_buffers = PlanBuffers(device)
+        self.plan: LaunchPlan | None = None
+        self.variants = 0
+
+
+def _item_rows(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The table row of each query slot, and of each item's first slot (its page source)."""
+    req = np.searchsorted(indptr, host.q_tokens.astype(np.int64), side="right") - 1
+    slot_row = row_of[req]
+    return slot_row, slot_row[host.q_indptr[:-1]]
+
+
+def _hint_positions(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray, width: int, page_size: int
+) -> np.ndarray:
+    """Positions in the device table (row * width + column) of every item's pages: the
+    columns of the item's KV run in the row of its first request."""
+    kpi = host.kv_page_indptr.astype(np.int64)
+    if (host.kv_start % page_size).any():
+        raise RuntimeError("prefixattn internal error: a work item starts inside a page")
+    _, rep_row = _item_rows(host, indptr, row_of)
+    item = np.repeat(np.arange(len(host.kv_len)), np.diff(kpi))
+    col = host.kv_start[item].astype(np.int64) // page_size + (np.arange(kpi[-1]) - kpi[item])
+    return (rep_row[item] * width + col).astype(np.int32)
+
+
+def _hint_checks(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray, width: int, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of pages to compare on the device: for every item and every request of it other
+    than the one its pages are read from, (first position in that request's row, first
+    position in the source row, page count)."""
+    slot_row, rep_row = _item_rows(host, indptr, row_of)
+    slots: np.ndarray = np.diff(host.q_indptr).astype(np.int64)
+    item = np.repeat(np.arange(len(host.kv_len)), slots)
+    npages = np.diff(host.kv_page_indptr.astype(np.int64))[item]
+    keep = (slot_row != rep_row[item]) & (npages > 0)
+    col0 = host.kv_start[item].astype(np.int64) // page_size
+    a0 = slot_row * width + col0
+    b0 = rep_row[item] * width + col0
+    return (a0[keep].astype(np.int32), b0[keep].astype(np.int32), npages[keep].astype(np.int32))
 
 
 _DEVICE_ARRAYS = (

@@ -170,6 +170,13 @@ class LaunchPlan:
     # Host copies and the forest the plan came from.
     host: PlanArrays
     forest: PrefixForest
+    # Hinted plans (:meth:`PrefixAttention.plan_hinted`).
+    fallback: LaunchPlan | None = None
+    """The per-request plan that runs instead of this one when the device check of the hint
+    fails; None for other plans."""
+    fallback_taken: torch.Tensor | None = None
+    """bool scalar on ``device``: the check failed (``fallback`` runs, this plan's ``counts``
+    were zeroed); None for other plans."""
 
     @property
     def total_bytes(self) -> int:

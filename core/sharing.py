@@ -10,6 +10,11 @@ first column that is read once it has landed, a step or more later.
 
 Using a verdict that is a step old only costs speed: ``plan_unshared`` is correct for any
 batch, and a step planned with ``plan`` updates the verdict from its own table.
+
+:class:`TableHint` keeps the other input of planning without a wait: a host copy of the block
+table from an earlier step (copied asynchronously, read once it has landed), the ``hint`` of
+:meth:`PrefixAttention.plan_hinted`. An old hint also only costs speed: the plan checks it on
+the device and falls back to per-request work items where it is wrong.
 """
 
 from __future__ import annotations
@@ -73,3 +78,72 @@ class SharingProbe:
             assert self._pinned is not None
             self.sharing = bool(self._pinned[0])
             self._pending = False
+
+
+class TableHint:
+    """The latest host copy of a block table that has landed, for
+    :meth:`PrefixAttention.plan_hinted`.
+
+    Each step, :meth:`start` copies the batch's rows of the device table to pinned host memory
+    without waiting (unless the previous copy is still in flight), and :meth:`take` returns
+    the newest copy that has landed, with every entry past its request's pages at that step
+    set to -1 (unknown: such entries hold stale ids). :meth:`observe` records a table the
+    engine already has on the host.
+    """
+
+    def __init__(self) -> None:
+        self._hint: np.ndarray | None = None
+        self._pinned: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._pending: tuple[int, int, np.ndarray, int] | None = None  # rows, cols, lens, ps
+
+    def take(self) -> np.ndarray | None:
+        """The newest landed copy (int32 [rows, cols], -1 where unknown), or None."""
+        self._poll()
+        return self._hint
+
+    def observe(self, table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> None:
+        """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
+        of each are its pages)."""
+        self._hint = _mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size)
+
+    def start(self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
+        """Copy ``table`` (rows = requests, on any device) to the host without waiting; it
+        becomes the hint once landed. Does nothing while an earlier copy is in flight."""
+        if not table.is_cuda:
+            self.observe(table.cpu().numpy(), seq_lens, page_size)
+            return
+        self._poll()
+        if self._pending is not None:
+            return
+        rows, cols = table.shape
+        if self._pinned is None or self._pinned.numel() < rows * cols:
+            self._pinned = torch.empty(
+                max(rows * cols, 2 * (0 if self._pinned is None else self._pinned.numel())),
+                dtype=torch.int32,
+                pin_memory=True,
+            )
+            self._event = torch.cuda.Event()
+        assert self._event is not None
+        self._pinned[: rows * cols].view(rows, cols).copy_(table, non_blocking=True)
+        self._event.record()
+        self._pending = (rows, cols, np.array(seq_lens, dtype=np.int64), page_size)
+
+    def _poll(self) -> None:
+        if self._pending is None or self._event is None or not self._event.query():
+            return
+        rows, cols, lens, page_size = self._pending
+        assert self._pinned is not None
+        table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
+        self._hint = _mask_unused(table, lens, page_size)
+        self._pending = None
+
+
+def _mask_unused(table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """-1 past each row's pages (rows without a length: all of it)."""
+    lens = np.zeros(table.shape[0], np.int64)
+    n = min(table.shape[0], len(seq_lens))
+    lens[:n] = np.asarray(seq_lens, dtype=np.int64)[:n]
+    pages = (lens + page_size - 1) // page_size
+    table[np.arange(table.shape[1])[None, :] >= pages[:, None]] = -1
+    return table

@@ -9,9 +9,14 @@ the batch's block table to the host, which waits for the work queued before it) 
   copies and sets in it; ``gpu_idle_ms`` and ``gpu_idle_frac``;
 - ``gaps``: idle intervals of the GPU longer than ``--gap-us``, their count, total and the
   longest, each with the named prefixattn ranges that overlap it;
-- ``ranges``: count, total and mean of each named range (CPU).
+- ``ranges``: count, total and mean of each named range (CPU);
+- ``steps`` (with ``--step-marker NAME``, e.g. ``prefixattn.plan`` or ``cudaGraphLaunch``):
+  the intervals between consecutive starts of that CPU event, as steps. Over the steps no
+  longer than twice the median (the steady decode steps): median step, GPU busy and idle
+  time, and the host events that overlap the GPU's idle gaps inside them (per step, by name,
+  longest first): what the host was doing while the GPU waited.
 
-    python integration/trace_summary.py TRACE.json[.gz] [--gap-us 50]
+    python integration/trace_summary.py TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("user_annotation", "cuda_runtime", "cuda_driver", "cpu_op", "python_function")
 RANGES = ("prefixattn.host_tables", "prefixattn.plan")
 
 
@@ -92,6 +98,62 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) 
     }
 
 
+def _overlap(iv: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in iv)
+
+
+def steps_summary(
+    events: list[dict[str, Any]], marker: str, gap_us: float = 50.0, top: int = 12
+) -> dict[str, Any]:
+    """Steady steps between starts of ``marker``: median length, GPU busy and idle, and the
+    host events overlapping the idle gaps (ms per step, by ``cat/name``)."""
+    starts = sorted(float(e["ts"]) for e in events
+                    if e.get("name") == marker and e.get("cat") not in GPU_CATS)  # fmt: skip
+    spans = list(itertools.pairwise(starts))
+    if not spans:
+        return {"marker": marker, "count": 0}
+    lengths = sorted(b - a for a, b in spans)
+    median = lengths[len(lengths) // 2]
+    steady = [(a, b) for a, b in spans if b - a <= 2 * median]
+    gpu = _union(
+        [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+         if e.get("cat") in GPU_CATS]
+    )  # fmt: skip
+    host: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") in HOST_CATS:
+            key = f"{e['cat']}/{e['name']}"
+            host.setdefault(key, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    busy, idle = [], []
+    during_idle: dict[str, float] = {}
+    for a, b in steady:
+        inside = [(max(a, s), min(b, e)) for s, e in gpu if e > a and s < b]
+        step_busy = sum(e - s for s, e in inside)
+        busy.append(step_busy)
+        idle.append((b - a) - step_busy)
+        edges = [a, *[x for iv in inside for x in iv], b]
+        for s, e in zip(edges[::2], edges[1::2], strict=True):
+            if e - s > gap_us:
+                for key, iv in host.items():
+                    us = _overlap(iv, s, e)
+                    if us > 0:
+                        during_idle[key] = during_idle.get(key, 0.0) + us
+    n = len(steady)
+
+    def med(xs: list[float]) -> float:
+        return round(sorted(xs)[len(xs) // 2] / 1e3, 3)
+
+    ranked = sorted(during_idle.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "marker": marker,
+        "count": n,
+        "step_ms": med([b - a for a, b in steady]),
+        "gpu_busy_ms": med(busy),
+        "gpu_idle_ms": med(idle),
+        "host_during_idle_ms_per_step": {k: round(v / n / 1e3, 3) for k, v in ranked},
+    }
+
+
 def summarize_traces(folder: Path, gap_us: float = 50.0) -> dict[str, dict]:
     """Summaries of every trace file below ``folder``, by relative path."""
     files = sorted(p for p in folder.rglob("*") if p.name.endswith((".json", ".json.gz")))
@@ -108,8 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--gap-us", type=float, default=50.0, help="shortest idle interval listed")
+    ap.add_argument("--step-marker", help="host event that starts each step (adds 'steps')")
     args = ap.parse_args(argv)
-    result = {str(p): summarize(load(p), args.gap_us) for p in args.traces}
+    result = {}
+    for p in args.traces:
+        events = load(p)
+        result[str(p)] = summarize(events, args.gap_us)
+        if args.step_marker:
+            result[str(p)]["steps"] = steps_summary(events, args.step_marker, args.gap_us)
     print(json.dumps(result, indent=1))
     return 0
 

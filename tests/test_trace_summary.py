@@ -57,3 +57,22 @@ def test_cli(ts, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def
     assert ts.main([str(path), "--gap-us", "5"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[str(path)]["gaps"]["count"] == 2  # the 10 us gap counts at 5 us
+
+
+def test_steps(ts) -> None:  # type: ignore[no-untyped-def]
+    # Three steps of 1000 us marked by "step"; each has 600 us of GPU work and a 400 us gap
+    # during which the host waits in a sync; a fourth, long interval is not a steady step.
+    ev = []
+    for i, start in enumerate((0, 1000, 2000, 3000)):
+        ev.append(_ev("step", "user_annotation", start, 10))
+        ev.append(_ev("fwd", "kernel", start + 400, 600))
+        if i < 3:
+            ev.append(_ev("cudaStreamSynchronize", "cuda_runtime", start + 50, 300))
+    ev.append(_ev("step", "user_annotation", 9000, 10))
+    s = ts.steps_summary(ev, "step", gap_us=50)
+    assert s["count"] == 3
+    assert s["step_ms"] == 1.0 and s["gpu_busy_ms"] == 0.6 and s["gpu_idle_ms"] == 0.4
+    host = s["host_during_idle_ms_per_step"]
+    assert host["cuda_runtime/cudaStreamSynchronize"] == 0.3
+    assert host["user_annotation/step"] == 0.01
+    assert ts.steps_summary(ev, "missing") == {"marker": "missing", "count": 0}

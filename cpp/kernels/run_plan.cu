@@ -166,7 +166,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& merge_partials, const at::Tensor& counts,
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
-                   bool concurrent) {
+                   bool concurrent, int64_t fixed_variants) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -246,6 +246,11 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool fixed = fixed_grid || capture != cudaStreamCaptureStatusNone;
+  // A fixed grid launches every variant (and the merge) unless fixed_variants says the plans
+  // that will fill these buffers never use some.
+  auto fixed_launches = [&](int bit) {
+    return fixed && (fixed_variants < 0 || ((fixed_variants >> bit) & 1));
+  };
   int variant_items[kNumVariants] = {0, 0, 0, 0};
   for (size_t t = 0; t < tile_m.size(); ++t) {
     const int v = static_cast<int>(std::find(kVariantRows, kVariantRows + kNumVariants,
@@ -261,7 +266,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                                          "instantiated for head_dim 256 (max 64)");
       continue;
     }
-    if (fixed || variant_items[v] > 0) launches[num_launches++] = v;
+    if (fixed ? fixed_launches(v) : variant_items[v] > 0) launches[num_launches++] = v;
   }
   // Serial: every group on the caller's stream. Concurrent: the first group there, the others
   // on side streams forked from it and joined back before the merge (a graph capture follows
@@ -291,7 +296,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));
     }
   }
-  if (fixed || num_merge_tokens > 0) {
+  if (fixed ? fixed_launches(kNumVariants) : num_merge_tokens > 0) {
     MergeParams mp{};
     mp.partial_o = p.partial_o;
     mp.partial_lse = p.partial_lse;

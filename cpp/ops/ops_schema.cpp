@@ -9,12 +9,15 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // tile_indptr[t]..tile_indptr[t+1]-1 run with query tile height tile_m[t]); the kernels read
   // the item bounds of each height from `counts`. prefetch_tiles > 0 prefetches KV that many
   // tiles ahead into L2; fixed_grid launches plan-independent grids (as under graph capture);
-  // concurrent runs the tile groups on forked streams instead of one after another.
+  // concurrent runs the tile groups on forked streams instead of one after another;
+  // fixed_variants (-1: all) limits the plan-independent launches to the forward variants of
+  // its bits 0-3 and the merge (bit 4), for a plan known never to use the others.
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
       "Tensor kv_len, Tensor q_indptr, Tensor q_tokens, Tensor q_limit, Tensor q_out, "
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
-      "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False) -> ()");
+      "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
+      "int fixed_variants=-1) -> ()");
 }

@@ -28,6 +28,7 @@ from prefixattn.adapters.vllm_backend import (
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,
 )
+from prefixattn.plan import LaunchPlan
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
 
@@ -152,7 +153,7 @@ class _Layer(torch.nn.Module):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("unshared", [False, True])
+@pytest.mark.parametrize("mode", ["copy", "unshared", "hinted", "stale_hint"])
 def test_builder_and_forward_match_plain_attention(
     vllm_config: VllmConfig,
     dtype: torch.dtype,
@@ -161,22 +162,32 @@ def test_builder_and_forward_match_plain_attention(
     mixed: bool,
     pad: int,
     seed: int,
-    unshared: bool,
+    mode: str,
 ) -> None:
     """``unshared``: the builder's last look found no sharing, so this step (whose requests do
-    share blocks) is planned without a host copy of the table; the result is the same."""
+    share blocks) is planned without a host copy of the table. ``hinted`` / ``stale_hint``: a
+    decode step planned from an earlier host copy of the table, right or wrong (then its
+    device check switches to the per-request fallback). The result is the same."""
     rng = torch.Generator().manual_seed(seed * 1000 + block_size * 10 + num_reqs)
     batch = Batch(rng, block_size, num_reqs, mixed)
+    # A hint is only used for decode steps: mixed batches copy the table.
+    hinted = mode in ("hinted", "stale_hint") and not mixed
     builder = PrefixAttentionMetadataBuilder(
         _spec(dtype, block_size), ["layer.0"], vllm_config, torch.device("cpu")
     )
-    if unshared:
+    if mode == "unshared":
         builder.probe.observe(np.arange(3))
+    if mode in ("hinted", "stale_hint"):
+        hint = batch.block_table.numpy()
+        if mode == "stale_hint":
+            hint = hint[::-1].copy()  # rows in another order
+        builder.table_hint.observe(hint, batch.seq_lens.numpy(), block_size)
     metadata = builder.build(
-        common_prefix_len=0, common_attn_metadata=batch.metadata(pad, host_lens=unshared)
+        common_prefix_len=0, common_attn_metadata=batch.metadata(pad, host_lens=mode != "copy")
     )
-    assert (metadata.plan.max_page_id == -1) == unshared
-    assert metadata.plan.packing == ("per_query" if unshared else "memory")
+    assert (metadata.plan.max_page_id == -1) == (mode == "unshared" or hinted)
+    assert metadata.plan.packing == ("per_query" if mode == "unshared" else "memory")
+    assert (metadata.plan.fallback is not None) == hinted
 
     shape = PrefixAttentionBackend.get_kv_cache_shape(
         batch.num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM
@@ -238,6 +249,7 @@ def test_plans_follow_the_sharing_seen(
 ) -> None:
     """A step after one without shared blocks is planned from lengths alone; a step that then
     shows sharing switches the next one back to the prefix-aware plan."""
+    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")  # copies only (hinted plans: below)
     rng = torch.Generator().manual_seed(11)
     shared = Batch(rng, 16, 8, False)
     private = Batch(rng, 16, 8, False)
@@ -255,6 +267,38 @@ def test_plans_follow_the_sharing_seen(
     off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     for _ in range(2):
         assert off.build(0, private.metadata(host_lens=True)).plan.packing == "memory"
+
+
+def _kind(plan: LaunchPlan) -> str:
+    if plan.fallback is None:
+        return "copy" if plan.max_page_id >= 0 else "unshared"
+    return "hinted-fallback" if bool(plan.fallback_taken) else "hinted"
+
+
+def test_steps_with_sharing_are_planned_from_an_earlier_table(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps with sharing take their forest from an earlier step's copy of the table
+    (no wait for this step's); a wrong one is caught by the check, and the next step's hint
+    is this step's table."""
+    rng = torch.Generator().manual_seed(11)
+    shared = Batch(rng, 16, 8, False)
+    private = Batch(rng, 16, 8, False)
+    private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    kinds = [
+        _kind(builder.build(0, batch.metadata(host_lens=True)).plan)
+        for batch in (shared, shared, private, private, shared, shared, private)
+    ]
+    # 1: no hint yet (copy); 2: hint from 1; 3: hint of the shared table (caught); 4: no
+    # sharing seen; 5: unshared, shows sharing; 6: hint from 5's table; 7: hint caught.
+    assert kinds == [
+        "copy", "hinted", "hinted-fallback", "unshared", "unshared", "hinted", "hinted-fallback"
+    ]  # fmt: skip
+    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")
+    off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    kinds = [_kind(off.build(0, shared.metadata(host_lens=True)).plan) for _ in range(3)]
+    assert kinds == ["copy"] * 3
 
 
 def test_one_plan_per_step_shared_by_layers(vllm_config: VllmConfig) -> None:

@@ -400,6 +400,7 @@ def test_reservation_for_largest_captured_batch(
             "num_pages": t * (max_len // 16 + 1) + slots,
             "num_slots": slots,
             "num_tokens": t,
+            "hinted": True,  # the fallback of hinted plans is launched by the graphs too
         }
     ]
 

@@ -257,3 +257,79 @@ def test_plan_unshared_gathers_pages_on_device(page_size, fixed_grid):
     assert not torch.isnan(out).any(), "unwritten output elements"
     err = (out.float() - ref).abs().max().item()
     assert err <= 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hint_kind", ["exact", "missing_last", "permuted"])
+def test_plan_hinted_checks_the_hint_on_device(page_size, hint_kind):
+    """plan_hinted: a good hint gives the shared plan, a stale one the per-request fallback;
+    both equal plain attention, decided on the device without a sync."""
+    rng = np.random.default_rng(11)
+    table, lens, num_pages = random_forest(rng, page_size, 40, 6, 70)
+    b, w = table.shape
+    big = rng.integers(0, num_pages, (b + 3, w + 2)).astype(np.int32)
+    rows = rng.permutation(b + 3)[:b]
+    big[rows, :w] = table
+    hint = big.copy()
+    if hint_kind == "missing_last":
+        hint[:, -1] = -1
+    elif hint_kind == "permuted":
+        hint = hint[rng.permutation(hint.shape[0])]
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    k, v = make_cache(num_pages, page_size, 8, 128, torch.bfloat16, "NHD", True, gen)
+    q = torch.randn(b, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    pa = prefixattn.PrefixAttention(32, 8, 128, page_size, device=DEV, dtype=torch.bfloat16)
+    plan = pa.plan_hinted(torch.from_numpy(big).to(DEV), hint, lens, rows=rows)
+    out = torch.full_like(q, float("nan"))
+    pa.run(q, k, v, out=out, plan=plan)
+    qo = np.arange(b + 1, dtype=np.int32)
+    ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(128))
+    assert not torch.isnan(out).any(), "unwritten output elements"
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
+    assert bool(plan.fallback_taken) == (hint_kind == "permuted")
+
+
+def test_cuda_graph_replays_hinted_plans():
+    """Graphs captured after reserve(hinted=True) replay plain plans, hinted plans with a good
+    hint and hinted plans whose check fails (the fallback's launches then do the work)."""
+    hq, hkv, d, ps, b = 32, 8, 128, 16, 64
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    num_pages = 64 * 80
+    k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
+    pa.reserve(num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024,
+               num_tokens=b, hinted=True)  # fmt: skip
+    generation = pa.buffers_generation
+    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    table, lens = tree_batch("1,64_1024,100", ps, seed=0)
+    pa.plan(table, lens)
+    pa.run(q, k, v, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.run(q, k, v, out=out)
+    rng = np.random.default_rng(2)
+    steps = [("1,4,64_512,256,33", "exact"), ("1,64_2048,16", "permuted"), ("64_700", "plain"),
+             ("1,2,64_1024,16,300", "exact"), ("1,64_1024,100", "permuted")]  # fmt: skip
+    for i, (spec, kind) in enumerate(steps):
+        table, lens = tree_batch(spec, ps, seed=i + 1)
+        assert len(lens) == b and table.max() < num_pages
+        dev_table = torch.from_numpy(table).to(DEV)
+        if kind == "plain":
+            pa.plan(table, lens)
+        else:
+            hint = table if kind == "exact" else table[rng.permutation(b)]
+            plan = pa.plan_hinted(dev_table, hint, lens)
+            assert bool(plan.fallback_taken) == (kind == "permuted"), spec
+        assert pa.buffers_generation == generation, "reserve() was too small for this test"
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        qo = np.arange(b + 1, dtype=np.int32)
+        ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(d))
+        assert not torch.isnan(out).any(), f"{spec} ({kind}): unwritten output"
+        err = (out.float() - ref).abs().max().item()
+        assert err < 4 * EPS[torch.bfloat16] * 4, f"{spec} ({kind}): max error {err}"

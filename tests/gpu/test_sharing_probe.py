@@ -26,3 +26,17 @@ def test_verdict_after_the_copy_lands():
     probe.start(pages[:, 0])
     probe._pending = False
     assert probe.sharing is False
+
+
+def test_table_hint_lands_asynchronously():
+    from prefixattn import TableHint
+
+    hint = TableHint()
+    big = torch.tensor([[3, 4, 9, 8], [5, 6, 7, 1]], dtype=torch.int32, device="cuda")
+    hint.start(big[:, :3], [5, 3], 2)  # a strided slice of a larger table
+    torch.cuda.synchronize()
+    assert hint.take().tolist() == [[3, 4, 9], [5, 6, -1]]
+    # A larger table regrows the pinned buffer; the newest landed copy wins.
+    hint.start(torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4), [8, 1, 0], 2)
+    torch.cuda.synchronize()
+    assert hint.take().tolist() == [[0, 1, 2, 3], [4, -1, -1, -1], [-1, -1, -1, -1]]
