@@ -348,6 +348,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         """Plan decode steps from an earlier step's host copy of the block table
         (:meth:`PrefixAttention.plan_hinted`) instead of waiting for this step's."""
         self.table_hint = TableHint()
+        self.plan_kinds = {"copy": 0, "unshared": 0, "hinted": 0}
+        """Steps planned from a host copy of their table, from lengths alone, from a hint."""
         if self.full_graphs:
             self.reserve_for_graphs()
         self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
@@ -440,6 +442,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             with record_function("prefixattn.plan"):
                 plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
+            self.plan_kinds["unshared"] += 1
             self.probe.start(cm.block_table_tensor[:b, 0])
             if self.hinted_plans:  # the hint for when sharing shows up
                 self.table_hint.start(
@@ -454,6 +457,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             with record_function("prefixattn.plan"):
                 plan = attention.plan_hinted(cm.block_table_tensor, hint, lens, indptr, rows=rows)
+            self.plan_kinds["hinted"] += 1
             self.probe.start(cm.block_table_tensor[:b, 0])
             # This step's rows become a later step's hint once their copy lands.
             self.table_hint.start(
@@ -474,6 +478,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
             with record_function("prefixattn.plan"):
                 plan = attention.plan(table, lens, indptr)
+            if not capture:
+                self.plan_kinds["copy"] += 1
         if graph is not None and not capture:
             graph.check(attention)
         return PrefixAttentionMetadata(

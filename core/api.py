@@ -228,7 +228,11 @@ class PrefixAttention:
         sizes = _buffer_sizes(num_work_items, num_pages, num_slots, num_tokens)
         self._buffers.reserve(**sizes)
         if hinted:
-            self._enable_guard().buffers.reserve(**sizes)
+            guard = self._enable_guard()
+            guard.buffers.reserve(**sizes)
+            # Reload the empty fallback: the graphs captured next must read the reserved
+            # buffers, not the ones they replaced.
+            guard.plan = self._empty_fallback(guard)
         # Every partial row is one (item, token) slot, so slots bound the partials.
         self._reserve_workspace(num_slots)
 
@@ -238,17 +242,22 @@ class PrefixAttention:
             return self._guard
         guard = _Guard(self.device)
         self._guard = guard
-        one = np.ones(1, np.int64)
-        guard.plan = self._plan_host(
-            np.zeros((1, 1), np.int32), one, np.arange(2, dtype=np.int64), "per_query", False,
-            buffers=guard.buffers, remember=False,
-        )  # fmt: skip
-        guard.plan.counts.zero_()
+        guard.plan = self._empty_fallback(guard)
         # A fallback plan (one decode token per request, no split) only ever uses the tile
         # height of one token's rows, and has no merge.
         height = self.tiles.select(self.num_qo_heads // self.num_kv_heads, 1)[0]
         guard.variants = 1 << VARIANT_ROWS.index(height)
         return guard
+
+    def _empty_fallback(self, guard: _Guard) -> LaunchPlan:
+        """A fallback plan with zero counts, loaded into the guard's buffers."""
+        one = np.ones(1, np.int64)
+        plan = self._plan_host(
+            np.zeros((1, 1), np.int32), one, np.arange(2, dtype=np.int64), "per_query", False,
+            buffers=guard.buffers, remember=False,
+        )  # fmt: skip
+        plan.counts.zero_()
+        return plan
 
     def _quiet_fallback(self) -> None:
         """A plan that is not hinted was loaded: the fallback launches must do nothing."""
@@ -458,6 +467,10 @@ class PrefixAttention:
             taken = (pages_a != pages_b).any()
         primary.counts.mul_((~taken).to(torch.int32))
         fallback.counts.mul_(taken.to(torch.int32))
+        if guard is not None:
+            # The launches of later plans read the fallback through views of the buffers
+            # as they are now (they may have grown for this plan).
+            guard.plan = fallback
         plan = dataclasses.replace(primary, fallback=fallback, fallback_taken=taken)
         self._plan = plan
         return plan
@@ -974,7 +987,8 @@ def _buffer_sizes(w: int, p: int, s: int, t: int) -> dict[str, int]:
 
 class _Guard:
     """Device state of hinted plans: the fallback plan's buffers, the buffers of the check's
-    inputs, the fallback plan the launches read, and the kernel variants it may use."""
+    inputs, the fallback plan the launches read (the latest one loaded into ``buffers``, so
+    its views are of the current buffers), and the kernel variants it may use."""
 
     def __init__(self, device: torch.device) -> None:
         self.buffers = PlanBuffers(device)

@@ -11,9 +11,11 @@ the batch's block table to the host, which waits for the work queued before it) 
   longest, each with the named prefixattn ranges that overlap it;
 - ``ranges``: count, total and mean of each named range (CPU);
 - ``steps`` (with ``--step-marker NAME``, e.g. ``prefixattn.plan`` or ``cudaGraphLaunch``):
-  the intervals between consecutive starts of that CPU event, as steps. Over the steps no
+  the intervals between consecutive starts of that CPU event, as steps (``all_ms``: every
+  interval's length). Over the steps no
   longer than twice the median (the steady decode steps): median step, GPU busy and idle
-  time, and the host events that overlap the GPU's idle gaps inside them (per step, by name,
+  time, the GPU kernels by device time per step (names cut to 80 characters), and the host
+  events that overlap the GPU's idle gaps inside them (per step, by name,
   longest first): what the host was doing while the GPU waited.
 
     python integration/trace_summary.py TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
@@ -126,6 +128,13 @@ def steps_summary(
             host.setdefault(key, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     busy, idle = [], []
     during_idle: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            s0 = float(e["ts"])
+            if any(a <= s0 < b for a, b in steady):
+                name = str(e["name"])[:80]
+                kernels[name] = kernels.get(name, 0.0) + float(e["dur"])
     for a, b in steady:
         inside = [(max(a, s), min(b, e)) for s, e in gpu if e > a and s < b]
         step_busy = sum(e - s for s, e in inside)
@@ -146,11 +155,16 @@ def steps_summary(
     ranked = sorted(during_idle.items(), key=lambda kv: -kv[1])[:top]
     return {
         "marker": marker,
+        "all_ms": [round((b - a) / 1e3, 2) for a, b in spans],
         "count": n,
         "step_ms": med([b - a for a, b in steady]),
         "gpu_busy_ms": med(busy),
         "gpu_idle_ms": med(idle),
         "host_during_idle_ms_per_step": {k: round(v / n / 1e3, 3) for k, v in ranked},
+        "kernels_ms_per_step": {
+            k: round(v / n / 1e3, 3)
+            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+        },
     }
 
 

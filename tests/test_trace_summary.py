@@ -70,9 +70,10 @@ def test_steps(ts) -> None:  # type: ignore[no-untyped-def]
             ev.append(_ev("cudaStreamSynchronize", "cuda_runtime", start + 50, 300))
     ev.append(_ev("step", "user_annotation", 9000, 10))
     s = ts.steps_summary(ev, "step", gap_us=50)
-    assert s["count"] == 3
+    assert s["count"] == 3 and s["all_ms"] == [1.0, 1.0, 1.0, 6.0]
     assert s["step_ms"] == 1.0 and s["gpu_busy_ms"] == 0.6 and s["gpu_idle_ms"] == 0.4
     host = s["host_during_idle_ms_per_step"]
     assert host["cuda_runtime/cudaStreamSynchronize"] == 0.3
     assert host["user_annotation/step"] == 0.01
+    assert s["kernels_ms_per_step"] == {"fwd": 0.6}
     assert ts.steps_summary(ev, "missing") == {"marker": "missing", "count": 0}

@@ -101,6 +101,7 @@ def worker_info(worker: Any) -> dict:
                     info["full_graphs"] = b.full_graphs
                     info["captured_generation"] = b.graph.captured_generation
                     info["buffers_generation"] = b.attention.buffers_generation
+                    info["plan_kinds"] = dict(getattr(b, "plan_kinds", {}))
     except Exception as e:  # report, never fail the run here
         info["error"] = f"{type(e).__name__}: {e}"
     return info

@@ -90,6 +90,7 @@ def worker_info(worker: Any) -> dict:
                     entry["max_graph_tokens"] = b.max_graph_tokens
                     entry["captured_generation"] = b.graph.captured_generation
                     entry["buffers_generation"] = b.attention.buffers_generation
+                    entry["plan_kinds"] = dict(getattr(b, "plan_kinds", {}))
                 builders.append(entry)
         info["builders"] = builders
     except Exception as e:  # report, never fail the run here
