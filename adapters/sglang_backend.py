@@ -36,7 +36,13 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 from torch.profiler import record_function
 
-from prefixattn import CapturedBuffers, PrefixAttention, SharingProbe, decode_reservation
+from prefixattn import (
+    CapturedBuffers,
+    PrefixAttention,
+    SharingProbe,
+    TableHint,
+    decode_reservation,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -66,6 +72,12 @@ UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
 copy of the batch's rows) when the last batch looked at shared nothing. Off by default in
 SGLang: this path is tested on the CPU, with the core's GPU tests, but has not run in an SGLang
 engine on a GPU yet (docs/sglang.md)."""
+
+HINTED_PLANS_ENV = "PREFIXATTN_HINTED_PLANS"
+"""Environment variable: ``1`` plans decode steps from an earlier step's host copy of the
+batch's rows (:meth:`PrefixAttention.plan_hinted`, checked on the device), so the copy of this
+step's rows never waits for the GPU. Off by default in SGLang, like ``UNSHARED_PLANS_ENV`` and
+for the same reason."""
 
 GRAPH_REMEDY = (
     "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
@@ -154,6 +166,9 @@ class PrefixAttnBackend(AttentionBackend):
         """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
         shared no slot (no host copy of the batch's rows, so no wait for the GPU)."""
         self.probe = SharingProbe()
+        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "0") == "1"
+        """Plan decode steps from an earlier step's host copy of the batch's rows."""
+        self.table_hint = TableHint()
 
     def _new_core(self) -> PrefixAttention:
         """A core for this model's attention shape and SGLang's NHD token-major KV pool."""
@@ -222,6 +237,26 @@ class PrefixAttnBackend(AttentionBackend):
                 plan = core.plan_unshared(rows, seq_lens, qo_indptr)
             first = rows[:, 0]
             self.probe.start(first, torch.arange(bs, device=first.device) < real)
+            if self.hinted_plans:  # the hint for when sharing shows up
+                self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
+            return ForwardMetadata(plan, plan.num_tokens, core)
+        hint = (
+            self.table_hint.take()
+            if self.hinted_plans
+            and not capture
+            and real > 0
+            and forward_batch.forward_mode.is_decode()
+            else None
+        )
+        if hint is not None:
+            # A decode step with sharing: the forest from an earlier step's copy of the rows,
+            # checked on the device against this step's (no wait).
+            with record_function("prefixattn.plan"):
+                rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
+                plan = core.plan_hinted(rows, hint, seq_lens, qo_indptr)
+            first = rows[:, 0]
+            self.probe.start(first, torch.arange(bs, device=first.device) < real)
+            self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
             return ForwardMetadata(plan, plan.num_tokens, core)
         # Named ranges for profiles (integration/trace_summary.py): the copy of the batch's
         # rows to the host waits for the work queued before it.
@@ -229,6 +264,8 @@ class PrefixAttnBackend(AttentionBackend):
             block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
         if real > 0:
             self.probe.observe(block_table[:real, 0])
+            if self.hinted_plans:
+                self.table_hint.observe(block_table[:real], seq_lens[:real], self.page_size)
         with record_function("prefixattn.plan"):
             plan = core.plan(block_table, seq_lens, qo_indptr)
         return ForwardMetadata(plan, plan.num_tokens, core)
@@ -294,7 +331,7 @@ class PrefixAttnBackend(AttentionBackend):
             self.graph_core = self._new_core()
         max_context = int(self.req_to_token_pool.req_to_token.shape[1])
         self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
-        self.graph_core.reserve(**self.graph_reserved)
+        self.graph_core.reserve(**self.graph_reserved, hinted=self.hinted_plans)
         self.graph_buffers.remedy = f"(Reserved: {self.graph_reserved}.) {GRAPH_REMEDY}"
         self.graph_buffers.pin(self.graph_core)
 

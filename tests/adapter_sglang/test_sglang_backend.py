@@ -193,7 +193,12 @@ def _forward_batch(mode: ForwardMode, rows: list[list[int]], new_lens: list[int]
 
 
 def _run_case(
-    page_size: int, mode: str, num_heads: int = 8, num_kv_heads: int = 2, unshared: bool = False
+    page_size: int,
+    mode: str,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    unshared: bool = False,
+    hint: str | None = None,
 ):
     head_dim = 64
     gen = torch.Generator().manual_seed(1234 + page_size)
@@ -239,9 +244,19 @@ def _run_case(
     if unshared:  # the last batch looked at shared nothing: plan without the host copy
         backend.unshared_plans = True
         backend.probe.observe(np.arange(3))
+    if hint is not None:  # an earlier step's copy of the rows, right or in another order
+        backend.hinted_plans = True
+        table, lens, _ = backend._batch_tables(batch)
+        backend.table_hint.observe(table if hint == "exact" else table[::-1], lens, page_size)
     backend.init_forward_metadata(batch)
     plan = backend.forward_metadata.plan
-    if unshared:
+    if hint is not None:
+        # Decode steps take the hint; other steps copy the rows (the hint is not used).
+        assert (plan.fallback is not None) == (mode == "decode")
+        if mode == "decode" and hint == "exact":
+            assert not bool(plan.fallback_taken)
+            assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+    elif unshared:
         assert plan.packing == "per_query" and plan.max_page_id == -1
         assert backend.probe.sharing is True  # this batch shares: the next step copies
     else:
@@ -268,6 +283,20 @@ def _run_case(
 @pytest.mark.parametrize("unshared", [False, True])
 def test_shared_prefix_batch_equals_plain_attention(page_size: int, mode: str, unshared: bool):
     _run_case(page_size, mode, unshared=unshared)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+@pytest.mark.parametrize("hint", ["exact", "reversed"])
+def test_hinted_plans_equal_plain_attention(page_size: int, mode: str, hint: str):
+    _run_case(page_size, mode, hint=hint)
+
+
+def test_hinted_plans_switch(monkeypatch: pytest.MonkeyPatch):
+    """Off by default in SGLang; PREFIXATTN_HINTED_PLANS=1 on."""
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is False
+    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "1")
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is True
 
 
 def test_unshared_plans_switch(monkeypatch: pytest.MonkeyPatch):

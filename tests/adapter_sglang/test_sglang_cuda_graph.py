@@ -246,6 +246,8 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     assert backend.graph_core is not None and backend.graph_core.device.type == "cuda"
     [(core, sizes)] = calls
     assert core is backend.graph_core
+    # The fallback of hinted plans is reserved (and launched by the graphs) when they are on.
+    assert sizes.pop("hinted") is backend.hinted_plans
     assert sizes == graph_reservation(48, 48, MAX_CONTEXT, 16) == backend.graph_reserved
     assert backend.graph_buffers.captured_generation == backend.graph_core.buffers_generation
 
