@@ -17,8 +17,9 @@ A workload whose tokens do not fit in the engine's KV pool is skipped and report
 
 Decode step time: the shared prefixes, then the prompts, are put in the radix cache first
 (generations of one token), so every timed generation prefills one token per request; then generations of ``N`` and
-``N + S`` tokens are timed ``--repeat`` times each, and the step time is
-``(min T(N + S) - min T(N)) / S``: the prefill and the fixed per-request costs cancel.
+``N + S`` tokens are timed alternately ``--repeat`` times, and the step time is the median
+over pairs of ``(T(N + S) - T(N)) / S`` (min and max in ``step_spread_ms``;
+``integration/timing.py``): the prefill and the fixed per-request costs cancel.
 SGLang's own per-step log ("Decode batch, #running-req: B, ... cuda graph: True") is kept
 and summarised, so the JSON shows that every timed step ran all B requests in a graph.
 
@@ -47,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from timing import paired_step_ms
 from trace_summary import summarize_traces
 
 LLAMA_8B = {
@@ -137,8 +139,10 @@ def bench_backend(
                     t = time.perf_counter()
                     llm.generate(input_ids=prompts, sampling_params={**sp, "max_new_tokens": n})
                     times[n].append(time.perf_counter() - t)
-            step_ms = (min(times[n2]) - min(times[n1])) / (n2 - n1) * 1e3
-            out["step_ms"][spec] = round(step_ms, 3)
+            step = paired_step_ms(times[n1], times[n2], n1, n2)
+            step_ms = step["median"]
+            out["step_ms"][spec] = step_ms
+            out.setdefault("step_spread_ms", {})[spec] = step
             out.setdefault("gen_s", {})[spec] = {
                 n: [round(x, 4) for x in v] for n, v in times.items()
             }

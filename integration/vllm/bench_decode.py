@@ -13,9 +13,10 @@ Workloads, each B requests (``--batches``, up to 256) of token-id prompts:
 
 Prefix caching is on (vLLM's default), so a shared prefix is stored once. Decode step time, per
 workload: one generation with ``max_tokens=1`` stores every prompt in the prefix cache; then
-greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), each timed ``--reps``
-times (minimum kept), prefill only the last tokens of each prompt, the same in both;
-step = (t(N2) - t(N1)) / (N2 - N1). All B requests decode together in every step.
+greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), timed alternately
+``--reps`` (5) times, prefill only the last tokens of each prompt, the same in both; step =
+the median over pairs of (t(N2) - t(N1)) / (N2 - N1), with the pairs' min and max in
+``step_spread_ms`` (``integration/timing.py``). All B requests decode together in every step.
 
 Each backend runs in its own subprocess (vLLM engines do not reliably free GPU memory inside
 one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PIECEWISE``);
@@ -45,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proc_group import run_in_group
+from timing import paired_step_ms
 from trace_summary import summarize_traces
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
@@ -143,12 +145,23 @@ def run_worker(args: argparse.Namespace) -> None:
             ids = workload(kind, batch, args.prefix, args.tail, args.none_len)
             prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
             warm = timed(prompts, 1)  # prefill once: prompts stored in the prefix cache
-            t1 = min(timed(prompts, args.n1) for _ in range(args.reps))
-            t2 = min(timed(prompts, args.n2) for _ in range(args.reps))
-            step_ms = (t2 - t1) / (args.n2 - args.n1) * 1e3
-            out["step_ms"].setdefault(kind, {})[str(batch)] = round(step_ms, 3)
-            out.setdefault("raw_s", {})[f"{kind}/{batch}"] = [round(x, 4) for x in (warm, t1, t2)]
-            print(f"{args.worker} {kind} B={batch}: decode step {step_ms:.2f} ms", flush=True)
+            t1s, t2s = [], []
+            for _ in range(args.reps):  # alternating, so that a drift spreads over both
+                t1s.append(timed(prompts, args.n1))
+                t2s.append(timed(prompts, args.n2))
+            step = paired_step_ms(t1s, t2s, args.n1, args.n2)
+            step_ms = step["median"]
+            out["step_ms"].setdefault(kind, {})[str(batch)] = step_ms
+            out.setdefault("step_spread_ms", {})[f"{kind}/{batch}"] = step
+            out.setdefault("raw_s", {})[f"{kind}/{batch}"] = {
+                "warm": round(warm, 4), "n1": [round(x, 4) for x in t1s],
+                "n2": [round(x, 4) for x in t2s],
+            }  # fmt: skip
+            print(
+                f"{args.worker} {kind} B={batch}: decode step {step_ms:.2f} ms "
+                f"(pairs {step['min']:.2f}-{step['max']:.2f})",
+                flush=True,
+            )
             Path(args.result).write_text(json.dumps(out))
             if args.profile:  # a separate, profiled generation: never in the timings above
                 llm.start_profile(f"{kind}-B{batch}")
@@ -169,7 +182,7 @@ def main() -> int:
     ap.add_argument("--none-len", type=int, default=1024)
     ap.add_argument("--n1", type=int, default=8)
     ap.add_argument("--n2", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256")

@@ -1,0 +1,30 @@
+"""Decode step time from timed generations of two lengths.
+
+A generation of ``n`` tokens takes ``a + n * step``: ``a`` (admission, prefill of the cached
+prompts, teardown) varies from one generation to the next by more than a few decode steps, so
+one difference ``(t(n2) - t(n1)) / (n2 - n1)`` is noisy. The benchmarks time ``n1`` and ``n2``
+alternately, ``reps`` times, and report the median of the paired differences with their
+spread, so that a reader sees how far two numbers must differ to mean something.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def paired_step_ms(t1: list[float], t2: list[float], n1: int, n2: int) -> dict[str, float]:
+    """Median, min and max over pairs of ``(t2[i] - t1[i]) / (n2 - n1)``, in ms.
+
+    Worked example: t1 = [1.0, 1.2], t2 = [2.0, 2.1], n1 = 8, n2 = 40 -> pairs 31.25 and
+    28.125 ms; median 29.688 (the mean of the two middle values), min 28.125, max 31.25.
+    """
+    if len(t1) != len(t2) or not t1:
+        raise ValueError(f"need equal, non-empty lists of timings, got {len(t1)} and {len(t2)}")
+    if n2 <= n1:
+        raise ValueError(f"n2 ({n2}) must be larger than n1 ({n1})")
+    steps = [(b - a) / (n2 - n1) * 1e3 for a, b in zip(t1, t2, strict=True)]
+    return {
+        "median": round(statistics.median(steps), 3),
+        "min": round(min(steps), 3),
+        "max": round(max(steps), 3),
+    }
