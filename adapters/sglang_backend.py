@@ -253,7 +253,9 @@ class PrefixAttnBackend(AttentionBackend):
             # checked on the device against this step's (no wait).
             with record_function("prefixattn.plan"):
                 rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
-                plan = core.plan_hinted(rows, hint, seq_lens, qo_indptr)
+                # Rows past the real requests (graph padding) are unknown in the hint: an
+                # earlier, larger batch left other requests' pages there.
+                plan = core.plan_hinted(rows, hint[:real], seq_lens, qo_indptr)
             first = rows[:, 0]
             self.probe.start(first, torch.arange(bs, device=first.device) < real)
             self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)

@@ -439,6 +439,9 @@ class PrefixAttention:
             buffers=None if guard is None else guard.buffers, remember=False,
         )  # fmt: skip
         if guard is not None:
+            # From now on the launches read the fallback through views of the buffers as they
+            # are now (they may have grown for this plan).
+            guard.plan = fallback
             used = {VARIANT_ROWS.index(m) for m, _ in fallback.tiles}
             if fallback.num_merge_tokens or any(not (guard.variants >> v) & 1 for v in used):
                 raise RuntimeError(
@@ -467,10 +470,6 @@ class PrefixAttention:
             taken = (pages_a != pages_b).any()
         primary.counts.mul_((~taken).to(torch.int32))
         fallback.counts.mul_(taken.to(torch.int32))
-        if guard is not None:
-            # The launches of later plans read the fallback through views of the buffers
-            # as they are now (they may have grown for this plan).
-            guard.plan = fallback
         plan = dataclasses.replace(primary, fallback=fallback, fallback_taken=taken)
         self._plan = plan
         return plan
@@ -623,6 +622,7 @@ class PrefixAttention:
                 width = page_table.shape[1]
                 pages.copy_(page_table[pos // width, pos % width])
             max_page_id = -1  # not known on the host
+        device_arrays: dict[str, Any] = {n: views[n] for n in _DEVICE_ARRAYS}
         plan = LaunchPlan(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,
@@ -646,7 +646,7 @@ class PrefixAttention:
             query_centric_kv_bytes=shape.kv_bytes(int(lens[np.diff(indptr) > 0].sum())),
             qo_bytes=qo_bytes,
             device=dev,
-            **{n: views[n] for n in _DEVICE_ARRAYS},
+            **device_arrays,
             counts=views["counts"],
             host=host,
             forest=forest,

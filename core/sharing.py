@@ -96,6 +96,7 @@ class TableHint:
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._pending: tuple[int, int, np.ndarray, int] | None = None  # rows, cols, lens, ps
+        self._superseded = False  # a newer table was observed while the copy was in flight
 
     def take(self) -> np.ndarray | None:
         """The newest landed copy (int32 [rows, cols], -1 where unknown), or None."""
@@ -104,8 +105,9 @@ class TableHint:
 
     def observe(self, table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> None:
         """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
-        of each are its pages)."""
+        of each are its pages). A copy still in flight is older: it is dropped once landed."""
         self._hint = _mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size)
+        self._superseded = self._pending is not None
 
     def start(self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
         """Copy ``table`` (rows = requests, on any device) to the host without waiting; it
@@ -133,10 +135,13 @@ class TableHint:
         if self._pending is None or self._event is None or not self._event.query():
             return
         rows, cols, lens, page_size = self._pending
+        self._pending = None
+        if self._superseded:
+            self._superseded = False
+            return
         assert self._pinned is not None
         table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
         self._hint = _mask_unused(table, lens, page_size)
-        self._pending = None
 
 
 def _mask_unused(table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:

@@ -28,11 +28,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
         assert (out.double() - ref).abs().max().item() <= 1e-5 * scale
 
 
-def _stale(table: np.ndarray, kind: str, gen: np.random.Generator) -> np.ndarray:
-    """A hint derived from the true table: exact, missing pages, rows reordered, or junk."""
+def _stale(
+    table: np.ndarray, kind: str, gen: np.random.Generator, last_page: np.ndarray
+) -> np.ndarray:
+    """A hint derived from the true table: exact, missing pages, rows reordered, or junk.
+    ``last_page[r]``: the last column row r uses (-1: none)."""
     hint = table.copy()
-    if kind == "missing_last":  # every row's last column unknown (pages gained since)
-        hint[:, -1] = -1
+    if kind == "missing_last":  # each row's last used page unknown (gained since the copy)
+        used = last_page >= 0
+        hint[np.flatnonzero(used), last_page[used]] = -1
     elif kind == "fewer_rows":
         hint = hint[: max(1, hint.shape[0] // 2)]
     elif kind == "permuted":
@@ -62,7 +66,9 @@ def test_equals_plain_attention_for_any_hint(
     big = gen.integers(0, batch.num_pages, (b + extra_rows, w + 1)).astype(np.int32)
     rows = gen.permutation(b + extra_rows)[:b]
     big[rows, :w] = batch.block_table
-    hint = _stale(big, kind, gen)
+    last_page = np.full(big.shape[0], -1)
+    last_page[rows] = -(-batch.seq_lens // batch.page_size) - 1
+    hint = _stale(big, kind, gen, last_page)
     pa = PrefixAttention(hq, hkv, d, batch.page_size, dtype=torch.float32)
     pa.split_target = 0  # split long items: parts read runs that start inside the row
     plan = pa.plan_hinted(torch.from_numpy(big), hint, batch.seq_lens, batch.qo_indptr, rows=rows)
@@ -165,3 +171,18 @@ def test_table_hint_masks_pages_past_each_length() -> None:
     assert hint.take().tolist() == [[3, 4, 9], [5, -1, -1]]
     hint.observe(np.array([[1, 2], [3, 4], [5, 6]]), np.array([1]), 4)
     assert hint.take().tolist() == [[1, -1], [-1, -1], [-1, -1]]
+
+
+def test_table_hint_drops_a_copy_older_than_an_observed_table() -> None:
+    hint = TableHint()
+    hint._pending = (1, 1, np.array([1]), 1)  # a copy in flight (as after start on a GPU)
+
+    class _Landed:
+        def query(self) -> bool:
+            return True
+
+    hint._event = _Landed()  # type: ignore[assignment]
+    hint._pinned = torch.tensor([7], dtype=torch.int32)
+    hint.observe(np.array([[5]]), np.array([1]), 1)  # newer, on the host
+    assert hint.take().tolist() == [[5]]  # the landed copy (7) is older: dropped
+    assert hint._pending is None

@@ -271,8 +271,8 @@ def test_plan_hinted_checks_the_hint_on_device(page_size, hint_kind):
     rows = rng.permutation(b + 3)[:b]
     big[rows, :w] = table
     hint = big.copy()
-    if hint_kind == "missing_last":
-        hint[:, -1] = -1
+    if hint_kind == "missing_last":  # each request's last page unknown (gained since)
+        hint[rows, -(-lens // page_size) - 1] = -1
     elif hint_kind == "permuted":  # may or may not change the forest
         hint = hint[rng.permutation(hint.shape[0])]
     elif hint_kind == "one_row":  # every request claims row 0's pages: wrong for the tails
