@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check .
 ruff format --check .
-mypy
+mypy --no-incremental  # a stale cache once hid an error that a clean clone reports
