@@ -456,7 +456,11 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             with record_function("prefixattn.plan"):
-                plan = attention.plan_hinted(cm.block_table_tensor, hint, lens, indptr, rows=rows)
+                # Padding requests read row 0 but take no part in its prefix.
+                private = np.arange(b + pad) >= b
+                plan = attention.plan_hinted(
+                    cm.block_table_tensor, hint, lens, indptr, rows=rows, private=private
+                )
             self.plan_kinds["hinted"] += 1
             self.probe.start(cm.block_table_tensor[:b, 0])
             # This step's rows become a later step's hint once their copy lands.

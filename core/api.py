@@ -380,6 +380,7 @@ class PrefixAttention:
         qo_indptr: torch.Tensor | np.ndarray | None = None,
         *,
         rows: torch.Tensor | np.ndarray | None = None,
+        private: torch.Tensor | np.ndarray | None = None,
     ) -> LaunchPlan:
         """A prefix-aware decode plan whose forest comes from a host ``hint`` of the block
         table (for example the previous step's copy), so it never waits for the GPU.
@@ -403,6 +404,9 @@ class PrefixAttention:
             the copy). Rows and columns it lacks are unknown too; unknown pages are private.
         seq_lens, qo_indptr, rows:
             As in :meth:`plan_unshared`; at most one new token per request (decode steps).
+        private:
+            Host bool array [B]: requests whose pages the hint does not describe (e.g. an
+            engine's padding requests, which read some real row): planned as sharing nothing.
 
         On a CUDA device the first call sets up the fallback's buffers (see :meth:`reserve`,
         ``hinted``); from then on every :meth:`run` also launches the fallback plan, which is
@@ -423,6 +427,14 @@ class PrefixAttention:
         # The planning table: hinted page ids where known, a unique id past them elsewhere.
         table = np.full((b, cols), -1, np.int64)
         known = row_of < hint_arr.shape[0]
+        if private is not None:
+            mask = np.asarray(private.cpu() if isinstance(private, torch.Tensor) else private)
+            if mask.dtype != np.bool_ or mask.shape != (b,):
+                raise ValueError(
+                    f"private must be a bool array of shape ({b},), got {mask.dtype} "
+                    f"{tuple(mask.shape)}"
+                )
+            known &= ~mask
         hc = min(cols, hint_arr.shape[1])
         table[known, :hc] = hint_arr[row_of[known], :hc]
         unknown = table < 0

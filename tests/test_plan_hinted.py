@@ -186,3 +186,24 @@ def test_table_hint_drops_a_copy_older_than_an_observed_table() -> None:
     hint.observe(np.array([[5]]), np.array([1]), 1)  # newer, on the host
     assert hint.take().tolist() == [[5]]  # the landed copy (7) is older: dropped
     assert hint._pending is None
+
+
+def test_private_requests_share_nothing() -> None:
+    # Request 2 is padding that reads row 0: with private set it joins no shared node.
+    table = np.array([[1, 2, 3], [1, 2, 4]], np.int32)
+    lens = np.array([6, 6, 1])
+    pa = PrefixAttention(4, 2, 64, 2, dtype=torch.float32)
+    rows = np.array([0, 1, 0])
+    joined = pa.plan_hinted(torch.from_numpy(table), table, lens, rows=rows)
+    alone = pa.plan_hinted(
+        torch.from_numpy(table), table, lens, rows=rows, private=np.array([False, False, True])
+    )
+    assert not bool(joined.fallback_taken) and not bool(alone.fallback_taken)
+
+    # Joined, the padding request shares row 0's first page; private, it is a root of its own.
+    def root_sizes(plan) -> list[int]:  # type: ignore[no-untyped-def]
+        return sorted(plan.forest.num_requests(u) for u in plan.forest.roots)
+
+    assert root_sizes(joined) == [3] and root_sizes(alone) == [1, 2]
+    with pytest.raises(ValueError, match="private must be a bool array"):
+        pa.plan_hinted(torch.from_numpy(table), table, lens, rows=rows, private=np.ones(3))

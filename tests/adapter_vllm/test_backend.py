@@ -148,6 +148,7 @@ class _Layer(torch.nn.Module):
         (16, 9, False, 0),  # vLLM's default block size, decode only
         (16, 13, True, 0),  # mixed decode / spec verification / prefill chunks
         (16, 7, True, 5),  # padded token count (num_actual_tokens > real tokens)
+        (16, 7, False, 3),  # decode with padding (hinted plans: padding planned private)
         (1, 6, True, 0),  # one token per block: every shared token is its own block
         (32, 11, True, 0),
     ],
