@@ -424,8 +424,12 @@ class PrefixAttention:
             )
         hint_arr = _host_int_array("hint", hint, ndim=2)
         b, width, ps = lens.shape[0], block_table.shape[1], self.page_size
-        # The planning table: hinted page ids where known, a unique id past them elsewhere.
-        table = np.full((b, cols), -1, np.int64)
+        # The planning table (int32, one pass per step over its B x cols entries at most):
+        # hinted page ids where known, a unique id past them elsewhere.
+        base = max(int(hint_arr.max(initial=-1)), -1) + 1
+        if base + b * cols > np.iinfo(np.int32).max:
+            raise ValueError(f"hint holds page id {base - 1}, too large to plan with (int32)")
+        table = np.full((b, cols), -1, np.int32)
         known = row_of < hint_arr.shape[0]
         if private is not None:
             mask = np.asarray(private.cpu() if isinstance(private, torch.Tensor) else private)
@@ -436,15 +440,22 @@ class PrefixAttention:
                 )
             known &= ~mask
         hc = min(cols, hint_arr.shape[1])
-        table[known, :hc] = hint_arr[row_of[known], :hc]
-        unknown = table < 0
-        base = max(int(hint_arr.max(initial=-1)), -1) + 1
-        if base + table.size > np.iinfo(np.int32).max:
-            raise ValueError(f"hint holds page id {base - 1}, too large to plan with (int32)")
-        table[unknown] = base + np.flatnonzero(unknown.ravel())
-        table = table.astype(np.int32)
+        n_known = int(np.argmin(known)) if not known.all() else b
+        if (
+            known[:n_known].all()
+            and not known[n_known:].any()
+            and np.array_equal(row_of[:n_known], np.arange(n_known))
+        ):
+            table[:n_known, :hc] = hint_arr[:n_known, :hc]  # the usual case: rows in order
+        else:
+            table[known, :hc] = hint_arr[row_of[known], :hc]
+        flat = table.reshape(-1)
+        unknown = np.flatnonzero(flat < 0)
+        flat[unknown] = base + unknown
         _check_lengths(table, lens, indptr, ps)
-        positions = (row_of[:, None] * width + np.arange(cols)[None, :]).astype(np.int32)
+        positions = row_of.astype(np.int32)[:, None] * np.int32(width) + np.arange(
+            cols, dtype=np.int32
+        )
         guard = self._enable_guard() if self.device.type == "cuda" else None
         fallback = self._plan_host(
             positions, lens, indptr, "per_query", False, page_table=block_table,
