@@ -229,36 +229,36 @@ class PrefixAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         # Graph replays pad the batch at its end (rows of request 0): leave those out.
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-        if self.unshared_plans and not capture and real > 0 and not self.probe.expects_sharing():
-            # The last batch looked at shared no slot: plan from the host lengths, with the
-            # page ids gathered on the device, and look at this batch on the side.
-            with record_function("prefixattn.plan"):
-                rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
-                plan = core.plan_unshared(rows, seq_lens, qo_indptr)
-            first = rows[:, 0]
-            self.probe.start(first, torch.arange(bs, device=first.device) < real)
-            if self.hinted_plans:  # the hint for when sharing shows up
-                self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
-            return ForwardMetadata(plan, plan.num_tokens, core)
+        unshared = (
+            self.unshared_plans and not capture and real > 0 and not self.probe.expects_sharing()
+        )
         hint = (
             self.table_hint.take()
-            if self.hinted_plans
+            if not unshared
+            and self.hinted_plans
             and not capture
             and real > 0
             and forward_batch.forward_mode.is_decode()
             else None
         )
-        if hint is not None:
-            # A decode step with sharing: the forest from an earlier step's copy of the rows,
-            # checked on the device against this step's (no wait).
+        if unshared or hint is not None:
+            # Plan from the host lengths, with the page ids gathered on the device (no wait),
+            # and look at this batch on the side.
             with record_function("prefixattn.plan"):
                 rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
-                # Rows past the real requests (graph padding) are unknown in the hint: an
-                # earlier, larger batch left other requests' pages there.
-                plan = core.plan_hinted(rows, hint[:real], seq_lens, qo_indptr)
+                if unshared:  # the last batch looked at shared no slot
+                    plan = core.plan_unshared(rows, seq_lens, qo_indptr)
+                else:
+                    # A decode step with sharing: the forest from an earlier step's copy of
+                    # the rows, checked on the device against this step's. Rows past the
+                    # real requests (graph padding) are unknown in the hint: an earlier,
+                    # larger batch left other requests' pages there.
+                    assert hint is not None
+                    plan = core.plan_hinted(rows, hint[:real], seq_lens, qo_indptr)
             first = rows[:, 0]
             self.probe.start(first, torch.arange(bs, device=first.device) < real)
-            self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
+            if self.hinted_plans:  # this step's rows: a later step's hint once landed
+                self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
             return ForwardMetadata(plan, plan.num_tokens, core)
         # Named ranges for profiles (integration/trace_summary.py): the copy of the batch's
         # rows to the host waits for the work queued before it.

@@ -434,40 +434,33 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             and cm.block_table_tensor.dtype == torch.int32
         )
         hint = self.table_hint.take() if device_table and self.hinted_plans and max_q <= 1 else None
-        if device_table and self.unshared_plans and not self.probe.expects_sharing():
-            # The last batch looked at shared no block: plan from the host lengths, with the
-            # page ids gathered from the device table, and look at this batch on the side.
+        unshared = device_table and self.unshared_plans and not self.probe.expects_sharing()
+        if unshared or hint is not None:
+            # Plan from the host lengths, with the page ids gathered from the device table (no
+            # wait), and look at this batch on the side.
+            assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
             # Padding tokens read one slot of row 0's first block.
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             with record_function("prefixattn.plan"):
-                plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
-            self.plan_kinds["unshared"] += 1
+                if unshared:  # the last batch looked at shared no block
+                    plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
+                else:
+                    # A decode step with sharing: the forest from an earlier step's copy of
+                    # the table, checked on the device against this step's. Padding requests
+                    # read row 0 but take no part in its prefix.
+                    private = np.arange(b + pad) >= b
+                    plan = attention.plan_hinted(
+                        cm.block_table_tensor, hint, lens, indptr, rows=rows, private=private
+                    )
+            self.plan_kinds["unshared" if unshared else "hinted"] += 1
             self.probe.start(cm.block_table_tensor[:b, 0])
-            if self.hinted_plans:  # the hint for when sharing shows up
+            if self.hinted_plans:
+                # This step's rows become a later step's hint once their copy lands.
                 self.table_hint.start(
                     cm.block_table_tensor[:b, : self._columns(cm)], host_lens[:b].numpy(),
                     self.block_size,
                 )  # fmt: skip
-        elif hint is not None:
-            # A decode step with sharing: the forest from an earlier step's copy of the
-            # table, checked on the device against this step's (no wait).
-            assert host_lens is not None
-            lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
-            rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
-            with record_function("prefixattn.plan"):
-                # Padding requests read row 0 but take no part in its prefix.
-                private = np.arange(b + pad) >= b
-                plan = attention.plan_hinted(
-                    cm.block_table_tensor, hint, lens, indptr, rows=rows, private=private
-                )
-            self.plan_kinds["hinted"] += 1
-            self.probe.start(cm.block_table_tensor[:b, 0])
-            # This step's rows become a later step's hint once their copy lands.
-            self.table_hint.start(
-                cm.block_table_tensor[:b, : self._columns(cm)], host_lens[:b].numpy(),
-                self.block_size,
-            )  # fmt: skip
         else:
             # Named ranges for profiles (integration/trace_summary.py): the copy of the block
             # table to the host waits for the work queued before it.

@@ -362,9 +362,7 @@ class PrefixAttention:
             block_table, seq_lens, qo_indptr, rows
         )
         # Positions as page ids: rows never share one, so the forest has no sharing.
-        positions = (row_of[:, None] * block_table.shape[1] + np.arange(cols)[None, :]).astype(
-            np.int32
-        )
+        positions = _table_positions(row_of, block_table.shape[1], cols)
         _check_lengths(positions, lens, indptr, self.page_size)
         plan = self._plan_host(
             positions, lens, indptr, "per_query", split_kv, page_table=block_table
@@ -453,9 +451,7 @@ class PrefixAttention:
         unknown = np.flatnonzero(flat < 0)
         flat[unknown] = base + unknown
         _check_lengths(table, lens, indptr, ps)
-        positions = row_of.astype(np.int32)[:, None] * np.int32(width) + np.arange(
-            cols, dtype=np.int32
-        )
+        positions = _table_positions(row_of, width, cols)
         guard = self._enable_guard() if self.device.type == "cuda" else None
         fallback = self._plan_host(
             positions, lens, indptr, "per_query", False, page_table=block_table,
@@ -1018,6 +1014,12 @@ class _Guard:
         self.check_buffers = PlanBuffers(device)
         self.plan: LaunchPlan | None = None
         self.variants = 0
+
+
+def _table_positions(row_of: np.ndarray, width: int, cols: int) -> np.ndarray:
+    """int32 [B, cols]: ``row_of[b] * width + column``, the positions in a device table of
+    each request's first ``cols`` pages (int32 range checked by ``_device_table_inputs``)."""
+    return row_of.astype(np.int32)[:, None] * np.int32(width) + np.arange(cols, dtype=np.int32)
 
 
 def _item_rows(

@@ -84,6 +84,18 @@ def batches(
     )
 
 
+def embed_rows(
+    batch: Batch, extra_rows: int, extra_cols: int, gen: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's block-table rows at shuffled places of a larger table of junk page ids
+    (``extra_rows`` more rows, ``extra_cols`` more columns): (table, row of each request)."""
+    b, w = batch.block_table.shape
+    big = gen.integers(0, batch.num_pages, (b + extra_rows, w + extra_cols)).astype(np.int32)
+    rows = gen.permutation(b + extra_rows)[:b]
+    big[rows, :w] = batch.block_table
+    return big, rows
+
+
 def random_cache(
     num_pages: int,
     page_size: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import Batch, batches, random_cache
+from conftest import Batch, batches, embed_rows, random_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,12 +60,9 @@ def test_equals_plain_attention_for_any_hint(
     d = 64
     k, v = random_cache(batch.num_pages, batch.page_size, hkv, d, torch.float32)
     q = torch.randn(int(batch.qo_indptr[-1]), hq, d, generator=torch.Generator().manual_seed(1))
-    b, w = batch.block_table.shape
     gen = np.random.default_rng(0)
     # The requests' rows sit at shuffled places of a larger table, behind junk rows.
-    big = gen.integers(0, batch.num_pages, (b + extra_rows, w + 1)).astype(np.int32)
-    rows = gen.permutation(b + extra_rows)[:b]
-    big[rows, :w] = batch.block_table
+    big, rows = embed_rows(batch, extra_rows, 1, gen)
     last_page = np.full(big.shape[0], -1)
     last_page[rows] = -(-batch.seq_lens // batch.page_size) - 1
     hint = _stale(big, kind, gen, last_page)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import Batch, batches, random_cache
+from conftest import Batch, batches, embed_rows, random_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,11 +30,7 @@ def test_equals_plain_attention(
     k, v = random_cache(batch.num_pages, batch.page_size, hkv, d, torch.float32, layout)
     q = torch.randn(int(batch.qo_indptr[-1]), hq, d, generator=torch.Generator().manual_seed(1))
     # The requests' rows sit at shuffled places of a larger table, behind junk rows.
-    b, w = batch.block_table.shape
-    gen = np.random.default_rng(0)
-    big = gen.integers(0, batch.num_pages, (b + extra_rows, w + 2)).astype(np.int32)
-    rows = gen.permutation(b + extra_rows)[:b]
-    big[rows, :w] = batch.block_table
+    big, rows = embed_rows(batch, extra_rows, 2, np.random.default_rng(0))
     pa = PrefixAttention(hq, hkv, d, batch.page_size, kv_layout=layout, dtype=torch.float32)
     pa.split_target = 0  # split every long request: parts of one row read its pages
     plan = pa.plan_unshared(

@@ -177,6 +177,20 @@ def test_cuda_graph_replay():
     assert (out.float() - ref).abs().max().item() < 4 * EPS[torch.bfloat16] * 4
 
 
+def _replay_matches(graph, q, out, k, v, table, lens, gen, label):
+    """New q, NaN-poisoned out, replay: out must equal plain attention of the decode batch
+    (one token per request) over ``table``."""
+    q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    qo = np.arange(len(lens) + 1, dtype=np.int32)
+    ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(q.shape[-1]))
+    assert not torch.isnan(out).any(), f"{label}: unwritten output"
+    err = (out.float() - ref).abs().max().item()
+    assert err < 4 * EPS[torch.bfloat16] * 4, f"{label}: max error {err}"
+
+
 @pytest.mark.parametrize("concurrent", [False, True])
 def test_cuda_graph_replays_new_plans(concurrent):
     # Capture once, then replay plans of other forests (other item counts, tile heights,
@@ -212,15 +226,7 @@ def test_cuda_graph_replays_new_plans(concurrent):
         table, lens = batch(spec, i + 1)
         pa.plan(table, lens)
         assert pa.buffers_generation == generation, "reserve() was too small for this test"
-        q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        qo = np.arange(b + 1, dtype=np.int32)
-        ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(d))
-        assert not torch.isnan(out).any(), f"{spec}: unwritten output"
-        err = (out.float() - ref).abs().max().item()
-        assert err < 4 * EPS[torch.bfloat16] * 4, f"{spec}: max error {err}"
+        _replay_matches(graph, q, out, k, v, table, lens, gen, spec)
 
 
 def test_unsupported_dtype_raises():
@@ -327,12 +333,4 @@ def test_cuda_graph_replays_hinted_plans():
             plan = pa.plan_hinted(dev_table, hint, lens)
             assert bool(plan.fallback_taken) == (kind == "one_row"), spec
         assert pa.buffers_generation == generation, "reserve() was too small for this test"
-        q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        qo = np.arange(b + 1, dtype=np.int32)
-        ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(d))
-        assert not torch.isnan(out).any(), f"{spec} ({kind}): unwritten output"
-        err = (out.float() - ref).abs().max().item()
-        assert err < 4 * EPS[torch.bfloat16] * 4, f"{spec} ({kind}): max error {err}"
+        _replay_matches(graph, q, out, k, v, table, lens, gen, f"{spec} ({kind})")
