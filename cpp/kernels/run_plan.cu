@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "prefixattn/decode_kernels.cuh"
+#include "prefixattn/wgmma_forward.cuh"
 
 namespace prefixattn {
 namespace {
@@ -109,7 +110,7 @@ template <typename T, int D>
 void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
   if constexpr (D <= 128) {
     // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
-    // rows use 4 warps and 128 rows 8 warps of 16 rows each.
+    // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
     constexpr int S = D <= 64 ? 4 : 3;
     switch (p.variant) {
       case 0: return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
@@ -118,8 +119,8 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
                             forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream);
       case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream);
-      default: return launch<forward_mma_kernel<T, D, 8, 1, S>>(256,
-                             forward_mma_smem_bytes<D, 8, 1, S>(), p, pairs, stream);
+      default: return launch<forward_wgmma_kernel<T, D, 4>>(256, forward_wgmma_smem_bytes<D, 4>(),
+                                                             p, pairs, stream);
     }
   } else {
     // CUDA cores (head_dim 256): 8 warps, ROWS_PER_WARP = rows / 8; at most 64 rows.

@@ -152,6 +152,45 @@ def test_long_kv(split_kv):
           np.ones(3, dtype=np.int32), split_kv=split_kv)  # fmt: skip
 
 
+# The 128-row tiles (the warpgroup kernel): a shared root read by many query rows, with odd
+# lengths, in every dtype, head_dim, layout and page size the kernel takes; query lengths > 1
+# put causal masks inside the root's tiles.
+ROOT_CASES = [
+    # hq, hkv, d, page, dtype, layout, interleaved
+    (32, 8, 128, 16, torch.bfloat16, "NHD", False),
+    (32, 8, 128, 1, torch.float16, "NHD", True),
+    (64, 4, 64, 32, torch.bfloat16, "HND", True),
+    (16, 1, 64, 64, torch.float16, "HND", False),
+    (24, 3, 128, 16, torch.float16, "NHD", True),
+]
+
+
+@pytest.mark.parametrize("case", ROOT_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}")
+@pytest.mark.parametrize("qlen", [1, 3])
+def test_root_tiles(case, qlen):
+    hq, hkv, d, ps, dtype, layout, inter = case
+    rng = np.random.default_rng(hq * 7 + d + ps + qlen)
+    batch = 96
+    root = 333  # tokens, not a multiple of the page or of the 64-key tile
+    root_pages = -(-root // ps)
+    rows, lens, next_page = [], [], root_pages
+    for _ in range(batch):
+        tail = int(rng.integers(1, 90))
+        npriv = -(-tail // ps) + 1  # the root's last page is partly used: tails start afresh
+        rows.append(list(range(root_pages)) + list(range(next_page, next_page + npriv)))
+        lens.append(root_pages * ps + tail)
+        next_page += npriv
+    width = max(len(r) for r in rows)
+    table = np.zeros((batch, width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    lens = np.asarray(lens, dtype=np.int32)
+    qo = np.full(batch, qlen, dtype=np.int32)
+    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, next_page, qo, split_kv=False)
+    m128 = [i for i, (m, _) in enumerate(plan.tiles) if m == 128]
+    assert m128 and any(plan.tile_indptr[t + 1] > plan.tile_indptr[t] for t in m128), plan.summary()
+
+
 def test_cuda_graph_replay():
     table, lens = tree_batch("1,4,64_1024,256,128", 16, seed=3)
     num_pages = int(table.max()) + 1

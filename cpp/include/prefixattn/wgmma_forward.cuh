@@ -1,0 +1,401 @@
+// Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3), head_dim 64 and 128.
+// Torch-free, sm_90a only. Same plan, pairs and pipeline as forward_mma_kernel (decode_kernels.cuh);
+// only the layout of a KV stage and the math differ.
+//
+// Block: 256 threads = 2 warpgroups of 64 query rows (warp w owns rows 16 w .. 16 w + 15, as in
+// the 8-warp mma.sync kernel). Per 64-key tile and warpgroup:
+//   S = Q K^T : D / 16 x wgmma.m64n64k16, q as the register A operand, K from shared memory;
+//   online softmax on S in registers (the accumulator layout of one n8 block equals the
+//   mma.sync C fragment, so the softmax is the one of the mma.sync kernel);
+//   O += P V  : 4 x wgmma.m64nDk16, P packed from S as the register A operand, V from shared
+//   memory read transposed (B is MN-major).
+// Shared memory holds K and V in the no-swizzle ("interleaved") canonical layout of wgmma
+// operands: 8 x 8 core matrices of 128 contiguous bytes, element (key t, dim c) of a tile at
+// byte (t / 8) * 16 D + (c / 8) * 128 + (t % 8) * 16 + (c % 8) * 2. The same layout is K-major
+// for K (leading byte offset 128 between the two 8-dim core matrices of a k16 step, stride byte
+// offset 16 D between 8-key groups) and MN-major for V (leading byte offset 16 D between 8-key
+// groups along k, stride byte offset 128 between 8-dim groups along n). The copies stay
+// cp.async (16 bytes per thread, eight consecutive threads fill one core matrix), followed by
+// fence.proxy.async so the warpgroup MMAs, which read through the async proxy, see them.
+#pragma once
+
+#include "prefixattn/decode_kernels.cuh"
+
+namespace prefixattn {
+namespace detail {
+
+// D (+)= A B for one warpgroup: A (64 x 16) from registers in the mma.sync A-fragment layout
+// of each warp's 16 rows, B (16 x N) through a shared-memory descriptor, TNSP = 1 when B is
+// MN-major. d holds N / 2 fp32 accumulators per thread (n8 block j at d[4 j .. 4 j + 3]).
+// scale_d = 0 overwrites D.
+template <typename T, int N, int TNSP>
+struct Wgmma;
+template <int TNSP>
+struct Wgmma<__nv_bfloat16, 64, TNSP> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
+                                             int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
+  }
+};
+template <int TNSP>
+struct Wgmma<__nv_bfloat16, 128, TNSP> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
+                                             int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
+  }
+};
+template <int TNSP>
+struct Wgmma<half, 64, TNSP> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
+                                             int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
+  }
+};
+template <int TNSP>
+struct Wgmma<half, 128, TNSP> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
+                                             int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
+  }
+};
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Makes this thread's generic-proxy writes to shared memory (cp.async copies) visible to the
+// async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
+// fence or wait.
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// Shared-memory matrix descriptor, no swizzle: start address, leading and stride byte offsets,
+// each in 16-byte units (PTX ISA, "Matrix Descriptor Format").
+__device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+
+}  // namespace detail
+
+template <int D, int STAGES>
+constexpr int forward_wgmma_smem_bytes() {
+  return STAGES * 2 * detail::kTileN * D * 2;  // K and V tiles per stage, no padding
+}
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardParams p) {
+  using namespace detail;
+  static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
+  constexpr int kThreadsW = 256;
+  constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
+  constexpr int kKC = D / 16;               // k16 steps of q.k
+  constexpr int kTileElems = kTileN * D;    // one K or V tile
+  constexpr uint32_t kGroupBytes = D * 16;  // one 8-key row of core matrices
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Stage s: K tile then V tile, [STAGES][2][kTileElems] in the core-matrix layout above.
+  T* const kv_s = reinterpret_cast<T*>(smem_raw);
+  auto k_stage = [&](int st) { return kv_s + st * 2 * kTileElems; };
+  auto v_stage = [&](int st) { return kv_s + (st * 2 + 1) * kTileElems; };
+
+  const WorkRange range(p);
+  if (static_cast<int>(blockIdx.x) >= range.total) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2;
+  const int g = p.group_size;
+  const int qc = 2 * (lane % 4);
+
+  // ---- loads: as forward_mma_kernel (one commit group per tile of the block's stream of
+  // pairs, page ids fetched one copy ahead), but thread tid copies chunk (tid / 8) % kChunks of
+  // keys 8 (tid / (8 kChunks)) + tid % 8 + i kLdStep, so eight consecutive threads fill the 128
+  // contiguous bytes of one core matrix.
+  constexpr int kLdStep = kThreadsW / kChunks;
+  constexpr int kLdRows = kTileN / kLdStep;
+  const int ld_ch = (tid >> 3) % kChunks;
+  const int ld_t0 = (tid / (8 * kChunks)) * 8 + (tid & 7);
+  PairCursor<T> ld;
+  ld.open(p, range, blockIdx.x);
+  int ld_tile = 0, ld_stage = 0;
+  bool ld_done = false;
+  int pg[kLdRows];
+  auto fetch_pages = [&]() {
+#pragma unroll
+    for (int i = 0; i < kLdRows; ++i) {
+      const int pos = ld_tile * kTileN + ld_t0 + i * kLdStep;
+      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
+    }
+  };
+  fetch_pages();
+  auto issue_next = [&]() {
+    if (!ld_done) {
+#pragma unroll
+      for (int i = 0; i < kLdRows; ++i) {
+        const int t = ld_t0 + i * kLdStep;
+        const int pos = ld_tile * kTileN + t;
+        const bool valid = pos < ld.kv_len;
+        const int slot = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
+        const int64_t ko = valid ? pg[i] * p.k_stride_page + slot * p.k_stride_tok : 0;
+        const int64_t vo = valid ? pg[i] * p.v_stride_page + slot * p.v_stride_tok : 0;
+        const int so = (t >> 3) * (kGroupBytes / 2) + ld_ch * 64 + (t & 7) * 8;  // elements
+        cp_async_16(k_stage(ld_stage) + so, ld.k_base + ko + ld_ch * 8, valid);
+        cp_async_16(v_stage(ld_stage) + so, ld.v_base + vo + ld_ch * 8, valid);
+      }
+      if (p.prefetch_tiles > 0) {
+        const int pt = ld_tile + p.prefetch_tiles;
+        for (int r = tid; r < 2 * kTileN; r += kThreadsW) {
+          const int pos = pt * kTileN + (r >> 1);
+          if (pos >= ld.kv_len) break;
+          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.v_stride_page, p.v_stride_tok)
+                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.k_stride_page, p.k_stride_tok);
+          prefetch_l2(src, D * sizeof(T));
+        }
+      }
+      if (++ld_tile == ld.num_tiles) {
+        ld_tile = 0;
+        const int nw = ld.w + gridDim.x;
+        if (nw < range.total)
+          ld.open(p, range, nw);
+        else
+          ld_done = true;
+      }
+      if (!ld_done) fetch_pages();
+    }
+    cp_async_commit();
+    ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_next();
+
+  // ---- math
+  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+  PairDesc cur, nxt;
+  cur.load(p, range, blockIdx.x);
+  uint32_t qa[kKC][4];
+  int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
+  int nlim0 = 0, nlim1 = 0;
+  int stage = 0;
+  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
+    if (w != static_cast<int>(blockIdx.x)) {
+      cur = nxt;
+      lim0 = nlim0;
+      lim1 = nlim1;
+    }
+    load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, warp, qa);
+    const int nw = w + gridDim.x;
+    const bool has_next = nw < range.total;
+    if (has_next) nxt.load(p, range, nw);
+    const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
+    const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
+    const bool wg_active = wg * 64 < num_rows;  // uniform over the warpgroup
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      cp_async_wait<STAGES - 2>();
+      fence_proxy_async_smem();
+      __syncthreads();  // this tile landed for everyone; the previous stage is free
+      issue_next();
+      if (wg_active) {
+        const int base = tile * kTileN;
+        float s[kTileN / 2];
+#pragma unroll
+        for (int i = 0; i < kTileN / 2; ++i) s[i] = 0.f;
+        const T* kt = k_stage(stage);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < kKC; ++kc)
+          Wgmma<T, kTileN, 0>::run(s, qa[kc], smem_desc(kt + kc * 128, 128, kGroupBytes), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s);
+
+        const int b0 = lim0 - base, b1 = lim1 - base;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < kTileN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = nb * 8 + qc + e;
+            s[4 * nb + e] = key < b0 ? s[4 * nb + e] * p.scale_log2 : -INFINITY;
+            s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * p.scale_log2 : -INFINITY;
+            mx0 = fmaxf(mx0, s[4 * nb + e]);
+            mx1 = fmaxf(mx1, s[4 * nb + 2 + e]);
+          }
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0);
+        const float al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int nb = 0; nb < kTileN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            s[4 * nb + e] = n0 == -INFINITY ? 0.f : exp2f(s[4 * nb + e] - n0);
+            s[4 * nb + 2 + e] = n1 == -INFINITY ? 0.f : exp2f(s[4 * nb + 2 + e] - n1);
+            l0 += s[4 * nb + e];
+            l1 += s[4 * nb + 2 + e];
+          }
+        }
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db) {
+          o[4 * db + 0] *= al0;
+          o[4 * db + 1] *= al0;
+          o[4 * db + 2] *= al1;
+          o[4 * db + 3] *= al1;
+        }
+        // P as A fragments: keys 16 kc .. 16 kc + 15 are the n8 blocks 2 kc and 2 kc + 1.
+        uint32_t pa[kTileN / 16][4];
+#pragma unroll
+        for (int kc = 0; kc < kTileN / 16; ++kc) {
+          pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
+          pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
+          pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
+          pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
+        }
+        const T* vt = v_stage(stage);
+        pin_registers(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < kTileN / 16; ++kc)
+          Wgmma<T, D, 1>::run(o, pa[kc], smem_desc(vt + kc * 2 * (kGroupBytes / 2), kGroupBytes, 128),
+                              1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(o);
+      }
+      if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    if (has_next) {
+      nlim0 = row_limit(p, nxt, r0);
+      nlim1 = row_limit(p, nxt, r1);
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+
+    if (warp * 16 < num_rows) {
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0;
+        if (r >= num_rows) continue;
+        const float l = h ? l1 : l0, m = h ? m1 : m0;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int slot = slot0 + r / g;
+        const int head = kv_head * g + r % g;
+        const int dst = p.q_out[slot];
+        if (dst < 0) {
+          T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
+#pragma unroll
+          for (int db = 0; db < D / 8; ++db)
+            *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
+                pack2<T>(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
+        } else {
+          float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
+#pragma unroll
+          for (int db = 0; db < D / 8; ++db)
+            *reinterpret_cast<float2*>(out + db * 8 + qc) =
+                make_float2(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
+          if (lane % 4 == 0)
+            p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+                l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace prefixattn
