@@ -119,7 +119,7 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
                             forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream);
       case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream);
-      default: return launch<forward_wgmma_kernel<T, D, 4>>(256, forward_wgmma_smem_bytes<D, 4>(),
+      default: return launch<forward_wgmma_kernel<T, D, 5>>(256, forward_wgmma_smem_bytes<D, 5>(),
                                                              p, pairs, stream);
     }
   } else {
@@ -232,6 +232,10 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.v_stride_page = v_cache.stride(0);
   p.v_stride_tok = v_cache.stride(tok_dim);
   p.v_stride_head = v_cache.stride(head_dim_idx);
+  // The kernels form row offsets as page x page stride + slot x token stride in 32-bit factors.
+  for (int64_t stride : {p.k_stride_page, p.k_stride_tok, p.v_stride_page, p.v_stride_tok})
+    TORCH_CHECK(stride >= 0 && stride <= INT32_MAX, "prefixattn: KV cache page and token strides must "
+                "be non-negative and below 2^31 elements, got ", stride);
   p.counts = counts.data_ptr<int32_t>();
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;

@@ -489,6 +489,92 @@ struct PairCursor {
   }
 };
 
+// The copy side of the tensor-core forwards: streams the KV tiles of a block's pairs, one
+// after another, into STAGES shared-memory stages, one cp.async commit group per tile (an
+// empty group once the stream ends). Thread-fixed: the keys row0 + i * step (i < ROWS) of
+// each tile, the 8 elements at column `col` of each row, written at element offset
+// dst0 + i * dst_step of a stage's K and V tiles (the kernel's layout). The page ids of the
+// next tile are loaded one copy ahead, so a copy never waits on them. Row offsets are one wide
+// multiply-add per term: page and token strides fit in 32 bits (checked on the host).
+template <typename T, int ROWS>
+struct KvCopier {
+  PairCursor<T> ld;
+  int tile, stage;
+  bool done;
+  int row0, step, col, dst0, dst_step;
+  int pg[ROWS];
+
+  __device__ __forceinline__ void start(const ForwardParams& p, const WorkRange& range) {
+    ld.open(p, range, blockIdx.x);
+    tile = 0;
+    stage = 0;
+    done = false;
+    load_pages(p);
+  }
+  __device__ __forceinline__ void load_pages(const ForwardParams& p) {
+    const int pos0 = tile * kTileN + row0;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int pos = pos0 + i * step;
+      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
+    }
+  }
+  template <bool kPow2>
+  __device__ __forceinline__ void copy_rows(const ForwardParams& p, T* kd, T* vd) {
+    const int spk = static_cast<int>(p.k_stride_page), stk = static_cast<int>(p.k_stride_tok);
+    const int spv = static_cast<int>(p.v_stride_page), stv = static_cast<int>(p.v_stride_tok);
+    const int pos0 = tile * kTileN + row0;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int pos = pos0 + i * step;
+      const bool valid = pos < ld.kv_len;
+      const int slot = kPow2 ? pos & (p.page_size - 1) : pos % p.page_size;
+      const int64_t ko = static_cast<int64_t>(pg[i]) * spk + slot * stk;
+      const int64_t vo = static_cast<int64_t>(pg[i]) * spv + slot * stv;
+      cp_async_16(kd + dst0 + i * dst_step, ld.k_base + ko + col, valid);
+      cp_async_16(vd + dst0 + i * dst_step, ld.v_base + vo + col, valid);
+    }
+  }
+  // Copies the next tile of the stream into stage `stage` of k_s / v_s (stage_elems apart).
+  template <int D, int STAGES, int THREADS>
+  __device__ __forceinline__ void issue(const ForwardParams& p, const WorkRange& range, T* k_s,
+                                        T* v_s, int stage_elems) {
+    if (!done) {
+      T* const kd = k_s + stage * stage_elems;
+      T* const vd = v_s + stage * stage_elems;
+      if (p.page_shift >= 0)
+        copy_rows<true>(p, kd, vd);
+      else
+        copy_rows<false>(p, kd, vd);
+      if (p.prefetch_tiles > 0) {
+        // One K or V row (D * 2 bytes) per thread, prefetch_tiles tiles ahead in this pair.
+        const int pt = tile + p.prefetch_tiles;
+        for (int r = threadIdx.x; r < 2 * kTileN; r += THREADS) {
+          const int pos = pt * kTileN + (r >> 1);
+          if (pos >= ld.kv_len) break;
+          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.v_stride_page, p.v_stride_tok)
+                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
+                                                         p.k_stride_page, p.k_stride_tok);
+          prefetch_l2(src, D * sizeof(T));
+        }
+      }
+      if (++tile == ld.num_tiles) {
+        tile = 0;
+        const int nw = ld.w + gridDim.x;
+        if (nw < range.total)
+          ld.open(p, range, nw);
+        else
+          done = true;
+      }
+      if (!done) load_pages(p);
+    }
+    cp_async_commit();
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+};
+
 // The pair's query slots and KV run.
 struct PairDesc {
   int item, kv_head, slot0, num_rows, kv_len, kv_start;
@@ -562,64 +648,18 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   const int qc = 2 * (lane % 4);
   const int key0 = ks * kKeys;  // this warp's first key within a tile
 
-  // ---- loads: one commit group per tile of the stream (empty once the stream ends). The
-  // page ids of the next tile to copy are fetched one copy ahead, so the copies never wait
-  // on them.
+  // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep.
   constexpr int kLdStep = kThreadsM / kChunks;  // rows per pass; a thread keeps its column
   constexpr int kLdRows = kTileN / kLdStep;     // rows per thread per tile
-  PairCursor<T> ld;
-  ld.open(p, range, blockIdx.x);
-  int ld_tile = 0, ld_stage = 0;
-  bool ld_done = false;
-  int pg[kLdRows];
-  auto fetch_pages = [&]() {
-#pragma unroll
-    for (int i = 0; i < kLdRows; ++i) {
-      const int pos = ld_tile * kTileN + tid / kChunks + i * kLdStep;
-      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
-      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
-    }
-  };
-  fetch_pages();
+  KvCopier<T, kLdRows> cp;
+  cp.row0 = tid / kChunks;
+  cp.step = kLdStep;
+  cp.col = (tid % kChunks) * 8;
+  cp.dst0 = cp.row0 * kRow + cp.col;
+  cp.dst_step = kLdStep * kRow;
+  cp.start(p, range);
   auto issue_next = [&]() {
-    if (!ld_done) {
-      const int ch = tid % kChunks;
-#pragma unroll
-      for (int i = 0; i < kLdRows; ++i) {
-        const int t = tid / kChunks + i * kLdStep;
-        const int pos = ld_tile * kTileN + t;
-        const bool valid = pos < ld.kv_len;
-        const int slot = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
-        const int64_t ko = valid ? pg[i] * p.k_stride_page + slot * p.k_stride_tok : 0;
-        const int64_t vo = valid ? pg[i] * p.v_stride_page + slot * p.v_stride_tok : 0;
-        cp_async_16(k_stage(ld_stage) + t * kRow + ch * 8, ld.k_base + ko + ch * 8, valid);
-        cp_async_16(v_stage(ld_stage) + t * kRow + ch * 8, ld.v_base + vo + ch * 8, valid);
-      }
-      if (p.prefetch_tiles > 0) {
-        // One K or V row (D * 2 bytes) per thread, prefetch_tiles tiles ahead in this pair.
-        const int pt = ld_tile + p.prefetch_tiles;
-        for (int r = tid; r < 2 * kTileN; r += kThreadsM) {
-          int pos = pt * kTileN + (r >> 1);
-          if (pos >= ld.kv_len) break;
-          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.v_stride_page, p.v_stride_tok)
-                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.k_stride_page, p.k_stride_tok);
-          prefetch_l2(src, D * sizeof(T));
-        }
-      }
-      if (++ld_tile == ld.num_tiles) {
-        ld_tile = 0;
-        const int nw = ld.w + gridDim.x;
-        if (nw < range.total)
-          ld.open(p, range, nw);
-        else
-          ld_done = true;
-      }
-      if (!ld_done) fetch_pages();
-    }
-    cp_async_commit();
-    ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
+    cp.template issue<D, STAGES, kThreadsM>(p, range, k_stage(0), v_stage(0), 2 * kTileN * kRow);
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();

@@ -9,13 +9,14 @@
 //   mma.sync C fragment, so the softmax is the one of the mma.sync kernel);
 //   O += P V  : 4 x wgmma.m64nDk16, P packed from S as the register A operand, V from shared
 //   memory read transposed (B is MN-major).
-// Shared memory holds K and V in the no-swizzle ("interleaved") canonical layout of wgmma
-// operands: 8 x 8 core matrices of 128 contiguous bytes, element (key t, dim c) of a tile at
-// byte (t / 8) * 16 D + (c / 8) * 128 + (t % 8) * 16 + (c % 8) * 2. The same layout is K-major
-// for K (leading byte offset 128 between the two 8-dim core matrices of a k16 step, stride byte
-// offset 16 D between 8-key groups) and MN-major for V (leading byte offset 16 D between 8-key
-// groups along k, stride byte offset 128 between 8-dim groups along n). The copies stay
-// cp.async (16 bytes per thread, eight consecutive threads fill one core matrix), followed by
+// Shared memory holds K and V in the 128-byte-swizzled canonical layout of wgmma operands: a
+// tile is D / 64 atoms of [64 keys][64 dims], one 128-byte row per key, in which the 16-byte
+// chunk c of key t sits at chunk c ^ (t % 8) (atoms 1024-byte aligned, so the hardware's swizzle
+// of address bits 4-6 by bits 7-9 matches). The same bytes serve as a K-major operand for K
+// (a k16 step is a 32-byte column of an atom; stride byte offset 1024 between 8-key groups) and
+// as an MN-major operand for V (k16 = two 8-key groups, stride byte offset 1024; leading byte
+// offset 8192 between the 64-dim atoms along n). The copies stay cp.async (16 bytes per thread;
+// eight consecutive threads fill one 128-byte row, conflict-free), followed by
 // fence.proxy.async so the warpgroup MMAs, which read through the async proxy, see them.
 #pragma once
 
@@ -145,19 +146,21 @@ __device__ __forceinline__ void pin_registers(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-// Shared-memory matrix descriptor, no swizzle: start address, leading and stride byte offsets,
-// each in 16-byte units (PTX ISA, "Matrix Descriptor Format").
-__device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+// Shared-memory matrix descriptor with the 128-byte swizzle (layout type 1 in bits 62-63):
+// start address, leading and stride byte offsets, each in 16-byte units (PTX ISA, "Matrix
+// Descriptor Format"); base offset 0, since every atom is 1024-byte aligned.
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem, uint32_t lbo, uint32_t sbo) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32);
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
 }  // namespace detail
 
 template <int D, int STAGES>
 constexpr int forward_wgmma_smem_bytes() {
-  return STAGES * 2 * detail::kTileN * D * 2;  // K and V tiles per stage, no padding
+  // K and V tiles per stage, no padding, and up to 1024 bytes to align the first atom.
+  return STAGES * 2 * detail::kTileN * D * 2 + 1024;
 }
 
 template <typename T, int D, int STAGES>
@@ -168,10 +171,12 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
   constexpr int kKC = D / 16;               // k16 steps of q.k
   constexpr int kTileElems = kTileN * D;    // one K or V tile
-  constexpr uint32_t kGroupBytes = D * 16;  // one 8-key row of core matrices
+  constexpr int kAtomElems = kTileN * 64;   // one [64 keys][64 dims] atom
+  static_assert(kTileN == 64, "the swizzle atoms hold 64 keys");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // Stage s: K tile then V tile, [STAGES][2][kTileElems] in the core-matrix layout above.
-  T* const kv_s = reinterpret_cast<T*>(smem_raw);
+  // Stage s: K tile then V tile, [STAGES][2][D / 64][kTileN][64] in the swizzled layout above.
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  T* const kv_s = reinterpret_cast<T*>(smem_raw + ((1024 - (raw_addr & 1023)) & 1023));
   auto k_stage = [&](int st) { return kv_s + st * 2 * kTileElems; };
   auto v_stage = [&](int st) { return kv_s + (st * 2 + 1) * kTileElems; };
 
@@ -182,69 +187,28 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   const int g = p.group_size;
   const int qc = 2 * (lane % 4);
 
-  // ---- loads: as forward_mma_kernel (one commit group per tile of the block's stream of
-  // pairs, page ids fetched one copy ahead), but thread tid copies chunk (tid / 8) % kChunks of
-  // keys 8 (tid / (8 kChunks)) + tid % 8 + i kLdStep, so eight consecutive threads fill the 128
-  // contiguous bytes of one core matrix.
+  // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep, into
+  // the swizzled layout (eight consecutive threads fill one 128-byte row).
   constexpr int kLdStep = kThreadsW / kChunks;
   constexpr int kLdRows = kTileN / kLdStep;
-  const int ld_ch = (tid >> 3) % kChunks;
-  const int ld_t0 = (tid / (8 * kChunks)) * 8 + (tid & 7);
-  PairCursor<T> ld;
-  ld.open(p, range, blockIdx.x);
-  int ld_tile = 0, ld_stage = 0;
-  bool ld_done = false;
-  int pg[kLdRows];
-  auto fetch_pages = [&]() {
-#pragma unroll
-    for (int i = 0; i < kLdRows; ++i) {
-      const int pos = ld_tile * kTileN + ld_t0 + i * kLdStep;
-      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
-      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
-    }
-  };
-  fetch_pages();
+  KvCopier<T, kLdRows> cp;
+  cp.row0 = tid / kChunks;
+  cp.step = kLdStep;
+  cp.col = (tid % kChunks) * 8;
+  // kLdStep is a multiple of 8, so the swizzle of a thread's rows is the same for all of them.
+  static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
+  {
+    const int ch = tid % kChunks;
+    cp.dst0 = (ch >> 3) * kAtomElems + cp.row0 * 64 + (((ch & 7) ^ (cp.row0 & 7)) << 3);
+    cp.dst_step = kLdStep * 64;
+  }
+  cp.start(p, range);
   auto issue_next = [&]() {
-    if (!ld_done) {
-#pragma unroll
-      for (int i = 0; i < kLdRows; ++i) {
-        const int t = ld_t0 + i * kLdStep;
-        const int pos = ld_tile * kTileN + t;
-        const bool valid = pos < ld.kv_len;
-        const int slot = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
-        const int64_t ko = valid ? pg[i] * p.k_stride_page + slot * p.k_stride_tok : 0;
-        const int64_t vo = valid ? pg[i] * p.v_stride_page + slot * p.v_stride_tok : 0;
-        const int so = (t >> 3) * (kGroupBytes / 2) + ld_ch * 64 + (t & 7) * 8;  // elements
-        cp_async_16(k_stage(ld_stage) + so, ld.k_base + ko + ld_ch * 8, valid);
-        cp_async_16(v_stage(ld_stage) + so, ld.v_base + vo + ld_ch * 8, valid);
-      }
-      if (p.prefetch_tiles > 0) {
-        const int pt = ld_tile + p.prefetch_tiles;
-        for (int r = tid; r < 2 * kTileN; r += kThreadsW) {
-          const int pos = pt * kTileN + (r >> 1);
-          if (pos >= ld.kv_len) break;
-          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.v_stride_page, p.v_stride_tok)
-                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.k_stride_page, p.k_stride_tok);
-          prefetch_l2(src, D * sizeof(T));
-        }
-      }
-      if (++ld_tile == ld.num_tiles) {
-        ld_tile = 0;
-        const int nw = ld.w + gridDim.x;
-        if (nw < range.total)
-          ld.open(p, range, nw);
-        else
-          ld_done = true;
-      }
-      if (!ld_done) fetch_pages();
-    }
-    cp_async_commit();
-    ld_stage = ld_stage + 1 == STAGES ? 0 : ld_stage + 1;
+    cp.template issue<D, STAGES, kThreadsW>(p, range, k_stage(0), v_stage(0), 2 * kTileElems);
   };
+  static_assert(STAGES >= 3, "two stages are in use while the copies run ahead");
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue_next();
+  for (int s = 0; s < STAGES - 2; ++s) issue_next();
 
   // ---- math
   const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
@@ -272,37 +236,65 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
+    // Tile t: S(t) = Q K(t)^T is issued, then P(t-1) V(t-1), kept from the previous tile, so
+    // the softmax of tile t runs while the tensor cores do P(t-1) V(t-1); O is rescaled once
+    // that product has landed. The copies run STAGES - 2 tiles ahead, so the stage of tile
+    // t - 1 stays intact until its P V is done. Every tile issues both products (the first one
+    // P = 0 against its own, landed, V), so no wgmma sits on a divergent path, which would
+    // make the compiler serialize them.
+    uint32_t pa[kTileN / 16][4];  // P(t-1) as A fragments: keys 16 kc .. are n8 blocks 2 kc, 2 kc + 1
+#pragma unroll
+    for (int kc = 0; kc < kTileN / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
+    int pv_stage = stage;
+    auto issue_pv = [&]() {
+      const T* vt = v_stage(pv_stage);
+#pragma unroll
+      for (int kc = 0; kc < kTileN / 16; ++kc)
+        Wgmma<T, D, 1>::run(o, pa[kc], smem_desc_sw128(vt + kc * 16 * 64, kAtomElems * 2, 1024), 1);
+      wgmma_commit();
+    };
     for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 2>();
+      cp_async_wait<STAGES - 3>();
       fence_proxy_async_smem();
-      __syncthreads();  // this tile landed for everyone; the previous stage is free
+      __syncthreads();  // this tile landed for everyone; the stage two tiles back is free
       issue_next();
       if (wg_active) {
         const int base = tile * kTileN;
         float s[kTileN / 2];
-#pragma unroll
-        for (int i = 0; i < kTileN / 2; ++i) s[i] = 0.f;
         const T* kt = k_stage(stage);
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
-          Wgmma<T, kTileN, 0>::run(s, qa[kc], smem_desc(kt + kc * 128, 128, kGroupBytes), 1);
+          Wgmma<T, kTileN, 0>::run(
+              s, qa[kc], smem_desc_sw128(kt + (kc >> 2) * kAtomElems + (kc & 3) * 16, 16, 1024),
+              kc > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        issue_pv();
+        wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
         pin_registers(s);
 
+        // Scale (log2 units) and, where some key of the tile is past a row's bound, mask.
         const int b0 = lim0 - base, b1 = lim1 - base;
+        const bool full = __all_sync(0xffffffffu, min(b0, b1) >= kTileN);
+        if (full) {
+#pragma unroll
+          for (int i = 0; i < kTileN / 2; ++i) s[i] *= p.scale_log2;
+        } else {
+#pragma unroll
+          for (int nb = 0; nb < kTileN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = nb * 8 + qc + e;
+              s[4 * nb + e] = key < b0 ? s[4 * nb + e] * p.scale_log2 : -INFINITY;
+              s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * p.scale_log2 : -INFINITY;
+            }
+          }
+        }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nb = 0; nb < kTileN / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = nb * 8 + qc + e;
-            s[4 * nb + e] = key < b0 ? s[4 * nb + e] * p.scale_log2 : -INFINITY;
-            s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * p.scale_log2 : -INFINITY;
-            mx0 = fmaxf(mx0, s[4 * nb + e]);
-            mx1 = fmaxf(mx1, s[4 * nb + 2 + e]);
-          }
+          mx0 = fmaxf(mx0, fmaxf(s[4 * nb], s[4 * nb + 1]));
+          mx1 = fmaxf(mx1, fmaxf(s[4 * nb + 2], s[4 * nb + 3]));
         }
 #pragma unroll
         for (int off = 1; off <= 2; off <<= 1) {
@@ -310,22 +302,26 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
         }
         const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float al0 = n0 == -INFINITY ? 1.f : exp2f(m0 - n0);
-        const float al1 = n1 == -INFINITY ? 1.f : exp2f(m1 - n1);
+        // A row with no visible key so far keeps m = -inf: its probabilities are exp2(-inf) = 0.
+        const float z0 = n0 == -INFINITY ? 0.f : n0, z1 = n1 == -INFINITY ? 0.f : n1;
+        const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
         m0 = n0;
         m1 = n1;
-        l0 *= al0;
-        l1 *= al1;
+        float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
         for (int nb = 0; nb < kTileN / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            s[4 * nb + e] = n0 == -INFINITY ? 0.f : exp2f(s[4 * nb + e] - n0);
-            s[4 * nb + 2 + e] = n1 == -INFINITY ? 0.f : exp2f(s[4 * nb + 2 + e] - n1);
-            l0 += s[4 * nb + e];
-            l1 += s[4 * nb + 2 + e];
+            s[4 * nb + e] = exp2f(s[4 * nb + e] - z0);
+            s[4 * nb + 2 + e] = exp2f(s[4 * nb + 2 + e] - z1);
+            ps0 += s[4 * nb + e];
+            ps1 += s[4 * nb + 2 + e];
           }
         }
+        l0 = l0 * al0 + ps0;
+        l1 = l1 * al1 + ps1;
+        wgmma_wait<0>();
+        pin_registers(o);
 #pragma unroll
         for (int db = 0; db < D / 8; ++db) {
           o[4 * db + 0] *= al0;
@@ -333,8 +329,6 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
           o[4 * db + 2] *= al1;
           o[4 * db + 3] *= al1;
         }
-        // P as A fragments: keys 16 kc .. 16 kc + 15 are the n8 blocks 2 kc and 2 kc + 1.
-        uint32_t pa[kTileN / 16][4];
 #pragma unroll
         for (int kc = 0; kc < kTileN / 16; ++kc) {
           pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
@@ -342,18 +336,15 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
           pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
           pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
         }
-        const T* vt = v_stage(stage);
-        pin_registers(o);
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < kTileN / 16; ++kc)
-          Wgmma<T, D, 1>::run(o, pa[kc], smem_desc(vt + kc * 2 * (kGroupBytes / 2), kGroupBytes, 128),
-                              1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(o);
+        pv_stage = stage;
       }
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    if (wg_active) {  // the pair's last P V
+      wgmma_fence();
+      issue_pv();
+      wgmma_wait<0>();
+      pin_registers(o);
     }
     if (has_next) {
       nlim0 = row_limit(p, nxt, r0);
