@@ -68,16 +68,14 @@ def core_supports_cuda_graphs() -> bool:
 
 
 UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
-"""Environment variable: ``1`` plans a step with :meth:`PrefixAttention.plan_unshared` (no host
-copy of the batch's rows) when the last batch looked at shared nothing. Off by default in
-SGLang: this path is tested on the CPU, with the core's GPU tests, but has not run in an SGLang
-engine on a GPU yet (docs/sglang.md)."""
+"""Environment variable: ``0`` plans every step from a host copy of the batch's rows, also when
+the last batch looked at shared nothing (default ``1``: such steps use
+:meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
 
 HINTED_PLANS_ENV = "PREFIXATTN_HINTED_PLANS"
-"""Environment variable: ``1`` plans decode steps from an earlier step's host copy of the
-batch's rows (:meth:`PrefixAttention.plan_hinted`, checked on the device), so the copy of this
-step's rows never waits for the GPU. Off by default in SGLang, like ``UNSHARED_PLANS_ENV`` and
-for the same reason."""
+"""Environment variable: ``0`` plans decode steps with sharing from a host copy of this step's
+rows (default ``1``: from an earlier step's copy, :meth:`PrefixAttention.plan_hinted`, checked
+on the device, so the copy of this step's rows never waits for the GPU)."""
 
 GRAPH_REMEDY = (
     "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
@@ -162,11 +160,11 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_buffers = CapturedBuffers(GRAPH_REMEDY)
         """The :attr:`graph_core` buffers the captured decode graphs read."""
-        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "0") == "1"
+        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
         """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
         shared no slot (no host copy of the batch's rows, so no wait for the GPU)."""
         self.probe = SharingProbe()
-        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "0") == "1"
+        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "1") != "0"
         """Plan decode steps from an earlier step's host copy of the batch's rows."""
         self.table_hint = TableHint()
 

@@ -241,11 +241,12 @@ def _run_case(
     batch = _forward_batch(forward_mode, rows, new_lens)
     out_cache_loc = batch.out_cache_loc
 
+    # Each case takes one planning path (both switches are on by default).
+    backend.unshared_plans = unshared
+    backend.hinted_plans = hint is not None
     if unshared:  # the last batch looked at shared nothing: plan without the host copy
-        backend.unshared_plans = True
         backend.probe.observe(np.arange(3))
     if hint is not None:  # an earlier step's copy of the rows, right or in another order
-        backend.hinted_plans = True
         table, lens, _ = backend._batch_tables(batch)
         backend.table_hint.observe(table if hint == "exact" else table[::-1], lens, page_size)
     backend.init_forward_metadata(batch)
@@ -293,17 +294,19 @@ def test_hinted_plans_equal_plain_attention(page_size: int, mode: str, hint: str
 
 
 def test_hinted_plans_switch(monkeypatch: pytest.MonkeyPatch):
-    """Off by default in SGLang; PREFIXATTN_HINTED_PLANS=1 on."""
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is False
-    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "1")
+    """On by default; PREFIXATTN_HINTED_PLANS=0 off."""
+    monkeypatch.delenv("PREFIXATTN_HINTED_PLANS", raising=False)
     assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is True
+    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is False
 
 
 def test_unshared_plans_switch(monkeypatch: pytest.MonkeyPatch):
-    """Off by default in SGLang (every step copies the rows); PREFIXATTN_UNSHARED_PLANS=1 on."""
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is False
-    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "1")
+    """On by default; PREFIXATTN_UNSHARED_PLANS=0 off (every step copies the rows)."""
+    monkeypatch.delenv("PREFIXATTN_UNSHARED_PLANS", raising=False)
     assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is True
+    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is False
 
 
 def test_mha_heads():
