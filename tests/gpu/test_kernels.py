@@ -109,7 +109,7 @@ def test_pat_tree_page1(spec):
           np.ones(len(lens), dtype=np.int32))  # fmt: skip
 
 
-# Odd sizes on purpose: group sizes 1, 3, 4, 7, 16; page sizes 1, 16, 32, 64; tails that end
+# Odd sizes on purpose: group sizes 1, 3, 4, 7, 16; page sizes 1, 3, 16, 24, 32, 64; tails that end
 # mid-page; query lengths 1..5 (causal); head_dim 64, 128, 256.
 CASES = [
     # hq, hkv, d, page, dtype, layout, interleaved
@@ -121,6 +121,9 @@ CASES = [
     (12, 4, 256, 16, torch.bfloat16, "NHD", True),
     (14, 2, 256, 1, torch.float16, "HND", False),
     (32, 2, 128, 16, torch.bfloat16, "NHD", False),
+    # Page sizes that are not powers of two (the kernels' division path).
+    (12, 4, 128, 24, torch.bfloat16, "NHD", True),
+    (8, 2, 64, 3, torch.float16, "HND", False),
 ]
 
 
@@ -162,6 +165,7 @@ ROOT_CASES = [
     (64, 4, 64, 32, torch.bfloat16, "HND", True),
     (16, 1, 64, 64, torch.float16, "HND", False),
     (24, 3, 128, 16, torch.float16, "NHD", True),
+    (32, 8, 128, 24, torch.bfloat16, "HND", False),  # page size not a power of two
 ]
 
 
