@@ -146,13 +146,6 @@ __device__ __forceinline__ void pin_registers(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-template <int N, int M>
-__device__ __forceinline__ void pin_registers(uint32_t (&r)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
 // Shared-memory matrix descriptor with the 128-byte swizzle (layout type 1 in bits 62-63):
 // start address, leading and stride byte offsets, each in 16-byte units (PTX ISA, "Matrix
 // Descriptor Format"); base offset 0, since every atom is 1024-byte aligned.
@@ -269,11 +262,6 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
         const int base = tile * kTileN;
         float s[kTileN / 2];
         const T* kt = k_stage(stage);
-        // Every write to a wgmma operand register (o rescaled, P packed, q loaded) lands before
-        // the fence.
-        pin_registers(o);
-        pin_registers(pa);
-        pin_registers(qa);
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
@@ -353,8 +341,6 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     if (wg_active) {  // the pair's last P V
-      pin_registers(o);
-      pin_registers(pa);
       wgmma_fence();
       issue_pv();
       wgmma_wait<0>();
