@@ -533,7 +533,9 @@ struct KvCopier {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
-      if (pos >= needed) continue;
+      // A slice of a whole tile: every row of the item's tiles is read (no check needed).
+      if constexpr (SLICE < kTileN)
+        if (pos >= needed) continue;
       const bool valid = pos < ld.kv_len;
       const int slot = kPow2 ? pos & (p.page_size - 1) : pos % p.page_size;
       const int64_t ko = static_cast<int64_t>(pg[i]) * spk + slot * stk;
