@@ -91,14 +91,21 @@ int fill_grid(K kernel, int threads, int smem) {
 }
 
 // Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host, or -1 when the
-// launch must run any plan (fixed grid).
+// launch must run any plan (fixed grid). The shared-memory opt-in applies to the current device
+// only and the full grid depends on the device, so both are set up once per device.
 template <auto kernel>
 void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream_t stream) {
-  static const int full = [&] {
+  static std::atomic<int> full_per_device[64] = {};  // 0: not set up on that device yet
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::atomic<int>& slot = full_per_device[device & 63];
+  int full = slot.load(std::memory_order_relaxed);
+  if (full == 0) {
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return fill_grid(kernel, threads, smem);
-  }();
+    full = fill_grid(kernel, threads, smem);
+    slot.store(full, std::memory_order_relaxed);
+  }
   const int grid = pairs < 0 ? full : std::min(pairs, full);
   if (grid > 0) kernel<<<grid, threads, smem, stream>>>(p);
 }
@@ -152,7 +159,15 @@ void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s
 template <typename T>
 void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s) {
   auto kernel = D == 64 ? merge_kernel<T, 64> : D == 128 ? merge_kernel<T, 128> : merge_kernel<T, 256>;
-  static const int full = fill_grid(merge_kernel<T, 128>, 256, 0);
+  static std::atomic<int> full_per_device[64] = {};  // SMs x resident blocks, per device
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::atomic<int>& slot = full_per_device[device & 63];
+  int full = slot.load(std::memory_order_relaxed);
+  if (full == 0) {
+    full = fill_grid(merge_kernel<T, 128>, 256, 0);
+    slot.store(full, std::memory_order_relaxed);
+  }
   const int grid = num_merge < 0 ? full : std::min((num_merge * p.num_qo_heads + 7) / 8, full);
   if (grid > 0) kernel<<<grid, 256, 0, s>>>(p);
 }
@@ -175,6 +190,14 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                   out.scalar_type() == q.scalar_type(),
               "prefixattn: q, caches and out must share a dtype");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "prefixattn: caches must be 4-D");
+  TORCH_CHECK(out.sizes() == q.sizes(), "prefixattn: out must have q's shape ", q.sizes(),
+              ", got ", out.sizes());
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.size(3) == q.size(2),
+              "prefixattn: the caches' head_dim must be q's (", q.size(2), "), got ",
+              k_cache.size(3), " and ", v_cache.size(3));
+  TORCH_CHECK(k_cache.size(1) == v_cache.size(1) && k_cache.size(2) == v_cache.size(2),
+              "prefixattn: k_cache and v_cache must have the same page size and KV heads, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1,
               "prefixattn: last dims must be contiguous");
@@ -201,6 +224,10 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   };
   TORCH_CHECK(aligned(q) && aligned(k_cache) && aligned(v_cache),
               "prefixattn: q and caches need 16-byte aligned rows (strides multiple of 8 elements)");
+  // The output is written two elements at a time.
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0 && out.stride(0) % 2 == 0 &&
+                  out.stride(1) % 2 == 0,
+              "prefixattn: out needs 4-byte aligned rows (even strides)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   check_device_has_kernels();
@@ -236,6 +263,10 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   for (int64_t stride : {p.k_stride_page, p.k_stride_tok, p.v_stride_page, p.v_stride_tok})
     TORCH_CHECK(stride >= 0 && stride <= INT32_MAX, "prefixattn: KV cache page and token strides must "
                 "be non-negative and below 2^31 elements, got ", stride);
+  for (int64_t stride : {p.k_stride_tok, p.v_stride_tok})
+    TORCH_CHECK(static_cast<int64_t>(page_size - 1) * stride <= INT32_MAX,
+                "prefixattn: a page's last token must sit below 2^31 elements from its first "
+                "(page size ", page_size, ", token stride ", stride, ")");
   p.counts = counts.data_ptr<int32_t>();
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;

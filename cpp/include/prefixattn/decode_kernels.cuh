@@ -496,7 +496,11 @@ struct PairCursor {
 // dst0 + i * dst_step of a stage's K and V tiles (the kernel's layout). The page ids of the
 // next tile are loaded one copy ahead, so a copy never waits on them. Row offsets are one wide
 // multiply-add per term: page and token strides fit in 32 bits (checked on the host).
-template <typename T, int ROWS>
+// SLICE: the keys one warp computes of a tile. A warp skips its slice when the slice starts at
+// or past the item's end, so rows past the item's length rounded up to SLICE are never read
+// and are not copied; the rows before that past the end are zero-filled (masked keys carry
+// V = 0, never NaN). An empty item still gets its first slice of zeros.
+template <typename T, int ROWS, int SLICE>
 struct KvCopier {
   PairCursor<T> ld;
   int tile, stage;
@@ -525,9 +529,13 @@ struct KvCopier {
     const int spk = static_cast<int>(p.k_stride_page), stk = static_cast<int>(p.k_stride_tok);
     const int spv = static_cast<int>(p.v_stride_page), stv = static_cast<int>(p.v_stride_tok);
     const int pos0 = tile * kTileN + row0;
+    const int needed = (max(ld.kv_len, 1) + SLICE - 1) / SLICE * SLICE;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
+      // A slice of a whole tile: every row of the item's tiles is read (no check needed).
+      if constexpr (SLICE < kTileN)
+        if (pos >= needed) continue;
       const bool valid = pos < ld.kv_len;
       const int slot = kPow2 ? pos & (p.page_size - 1) : pos % p.page_size;
       const int64_t ko = static_cast<int64_t>(pg[i]) * spk + slot * stk;
@@ -651,7 +659,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep.
   constexpr int kLdStep = kThreadsM / kChunks;  // rows per pass; a thread keeps its column
   constexpr int kLdRows = kTileN / kLdStep;     // rows per thread per tile
-  KvCopier<T, kLdRows> cp;
+  KvCopier<T, kLdRows, kKeys> cp;
   cp.row0 = tid / kChunks;
   cp.step = kLdStep;
   cp.col = (tid % kChunks) * 8;
@@ -802,10 +810,16 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       // Combine the KS softmax states of each row block through the stage just computed (no
       // copy targets it until the next tile's barrier). Lanes hold the same fragment positions
       // in every warp, so lane l of the first warp reads lane l of the others.
+      // A warp that saw no visible key (its slices start past a short item's end) has nothing
+      // to add and is left out.
       constexpr int kVals = kDB * 4 + 4;
       float* red = reinterpret_cast<float*>(k_stage(stage));  // [WARPS][kVals][32]
+      __shared__ int split_used[WARPS];
       __syncthreads();  // every warp is done with this stage
-      if (active && ks != 0) {
+      const bool used =
+          active && ks != 0 && __any_sync(0xffffffffu, m0 != -INFINITY || m1 != -INFINITY);
+      if (lane == 0) split_used[warp] = used;
+      if (used) {
         float* mine = red + warp * kVals * 32 + lane;
 #pragma unroll
         for (int db = 0; db < kDB; ++db)
@@ -821,6 +835,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       if (writer) {
 #pragma unroll
         for (int j = 1; j < KS; ++j) {
+          if (!split_used[warp + j]) continue;
           const float* other = red + (warp + j) * kVals * 32 + lane;
           const float om0 = other[(kDB * 4 + 0) * 32], om1 = other[(kDB * 4 + 1) * 32];
           const float n0 = fmaxf(m0, om0), n1 = fmaxf(m1, om1);

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   // the swizzled layout (eight consecutive threads fill one 128-byte row).
   constexpr int kLdStep = kThreadsW / kChunks;
   constexpr int kLdRows = kTileN / kLdStep;
-  KvCopier<T, kLdRows> cp;
+  KvCopier<T, kLdRows, kTileN> cp;  // both warpgroups compute every key of a tile
   cp.row0 = tid / kChunks;
   cp.step = kLdStep;
   cp.col = (tid % kChunks) * 8;
