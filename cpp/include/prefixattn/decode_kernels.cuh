@@ -624,6 +624,49 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, 
     qa[kc][3] = q1 ? *reinterpret_cast<const uint32_t*>(q1 + kc * 16 + 8) : 0u;
   }
 }
+
+// Epilogue of one warp's 16 rows (r0 = 16 rb + lane / 4 and r0 + 8) in the tensor-core
+// kernels: o holds D / 2 accumulators (n8 block db at o[4 db .. 4 db + 3], rows r0 and r0 + 8
+// in its halves), m and l the rows' softmax state over the lane's keys (summed over the 4
+// lanes of a row here). A slot with q_out == -1 gets the normalised row in T; any other the
+// fp32 normalised partial row and its natural-log log-sum-exp.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, int slot0,
+                                           int num_rows, int kv_head, int r0, const float* o,
+                                           float m0, float m1, float l0, float l1) {
+  const int g = p.group_size, qc = 2 * (lane % 4);
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= num_rows) continue;
+    const float l = h ? l1 : l0, m = h ? m1 : m0;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int slot = slot0 + r / g;
+    const int head = kv_head * g + r % g;
+    const int dst = p.q_out[slot];
+    if (dst < 0) {
+      T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
+#pragma unroll
+      for (int db = 0; db < D / 8; ++db)
+        *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
+            pack2<T>(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
+    } else {
+      float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
+#pragma unroll
+      for (int db = 0; db < D / 8; ++db)
+        *reinterpret_cast<float2*>(out + db * 8 + qc) =
+            make_float2(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
+      if (lane % 4 == 0)
+        p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+}
 }  // namespace detail
 
 // Persistent and pipelined across pairs: the block's pairs form one stream of KV tiles, and
@@ -652,7 +695,6 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   if (static_cast<int>(blockIdx.x) >= range.total) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = warp / KS, ks = warp % KS;
-  const int g = p.group_size;
   const int qc = 2 * (lane % 4);
   const int key0 = ks * kKeys;  // this warp's first key within a tile
 
@@ -860,39 +902,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
-    if (writer) {
-#pragma unroll
-      for (int off = 1; off <= 2; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0;
-        if (r >= num_rows) continue;
-        const float l = h ? l1 : l0, m = h ? m1 : m0;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int slot = slot0 + r / g;
-        const int head = kv_head * g + r % g;
-        const int dst = p.q_out[slot];
-        if (dst < 0) {
-          T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
-#pragma unroll
-          for (int db = 0; db < kDB; ++db)
-            *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
-                pack2<T>(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
-        } else {
-          float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
-#pragma unroll
-          for (int db = 0; db < kDB; ++db)
-            *reinterpret_cast<float2*>(out + db * 8 + qc) =
-                make_float2(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
-          if (lane % 4 == 0)
-            p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
-                l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
-        }
-      }
-    }
+    if (writer) store_rows<T, D>(p, lane, slot0, num_rows, kv_head, r0, &o[0][0], m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }

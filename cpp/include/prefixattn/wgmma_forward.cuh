@@ -1,6 +1,6 @@
 // Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3), head_dim 64 and 128.
-// Torch-free, sm_90a only. Same plan, pairs and pipeline as forward_mma_kernel (decode_kernels.cuh);
-// only the layout of a KV stage and the math differ.
+// Torch-free, sm_90a only. Same plan, pairs and pipeline as forward_mma_kernel
+// (decode_kernels.cuh); only the layout of a KV stage and the math differ.
 //
 // Block: 256 threads = 2 warpgroups of 64 query rows (warp w owns rows 16 w .. 16 w + 15, as in
 // the 8-warp mma.sync kernel). Per 64-key tile and warpgroup:
@@ -31,98 +31,62 @@ namespace detail {
 // scale_d = 0 overwrites D.
 template <typename T, int N, int TNSP>
 struct Wgmma;
-template <int TNSP>
-struct Wgmma<__nv_bfloat16, 64, TNSP> {
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
-                                             int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
-  }
+// One specialization per (type, N): the PTX instruction names the operand type and the
+// accumulator count, so each shape is written once for both types.
+#define PREFIXATTN_WGMMA_M64N64K16(CTYPE, PTX)  \
+template <int TNSP>  \
+struct Wgmma<CTYPE, 64, TNSP> {  \
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,  \
+                                             int scale_d) {  \
+    asm volatile(  \
+    "{\n.reg .pred p;\n"  \
+    "setp.ne.b32 p, %37, 0;\n"  \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+    "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"  \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),  \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),  \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),  \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),  \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));  \
+  }  \
 };
-template <int TNSP>
-struct Wgmma<__nv_bfloat16, 128, TNSP> {
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
-                                             int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-          "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
-  }
+#define PREFIXATTN_WGMMA_M64N128K16(CTYPE, PTX)  \
+template <int TNSP>  \
+struct Wgmma<CTYPE, 128, TNSP> {  \
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,  \
+                                             int scale_d) {  \
+    asm volatile(  \
+    "{\n.reg .pred p;\n"  \
+    "setp.ne.b32 p, %69, 0;\n"  \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+    "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
+    "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"  \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),  \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),  \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),  \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),  \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),  \
+      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),  \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),  \
+      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),  \
+      "+f"(d[62]), "+f"(d[63])  \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));  \
+  }  \
 };
-template <int TNSP>
-struct Wgmma<half, 64, TNSP> {
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
-                                             int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
-  }
-};
-template <int TNSP>
-struct Wgmma<half, 128, TNSP> {
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,
-                                             int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-          "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));
-  }
-};
+PREFIXATTN_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
+PREFIXATTN_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
+PREFIXATTN_WGMMA_M64N64K16(half, "f16")
+PREFIXATTN_WGMMA_M64N128K16(half, "f16")
+#undef PREFIXATTN_WGMMA_M64N64K16
+#undef PREFIXATTN_WGMMA_M64N128K16
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -184,7 +148,6 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   if (static_cast<int>(blockIdx.x) >= range.total) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;
-  const int g = p.group_size;
   const int qc = 2 * (lane % 4);
 
   // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep, into
@@ -242,7 +205,8 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
     // t - 1 stays intact until its P V is done. Every tile issues both products (the first one
     // P = 0 against its own, landed, V), so no wgmma sits on a divergent path, which would
     // make the compiler serialize them.
-    uint32_t pa[kTileN / 16][4];  // P(t-1) as A fragments: keys 16 kc .. are n8 blocks 2 kc, 2 kc + 1
+    // P(t-1) as A fragments: keys 16 kc .. are the n8 blocks 2 kc and 2 kc + 1.
+    uint32_t pa[kTileN / 16][4];
 #pragma unroll
     for (int kc = 0; kc < kTileN / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
     int pv_stage = stage;
@@ -352,39 +316,8 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
-    if (warp * 16 < num_rows) {
-#pragma unroll
-      for (int off = 1; off <= 2; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0;
-        if (r >= num_rows) continue;
-        const float l = h ? l1 : l0, m = h ? m1 : m0;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int slot = slot0 + r / g;
-        const int head = kv_head * g + r % g;
-        const int dst = p.q_out[slot];
-        if (dst < 0) {
-          T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
-#pragma unroll
-          for (int db = 0; db < D / 8; ++db)
-            *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
-                pack2<T>(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
-        } else {
-          float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
-#pragma unroll
-          for (int db = 0; db < D / 8; ++db)
-            *reinterpret_cast<float2*>(out + db * 8 + qc) =
-                make_float2(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
-          if (lane % 4 == 0)
-            p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
-                l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
-        }
-      }
-    }
+    if (warp * 16 < num_rows)
+      store_rows<T, D>(p, lane, slot0, num_rows, kv_head, r0, o, m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }
