@@ -271,6 +271,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
   p.group_size = hq / hkv;
+  p.page_div.init(page_size);
+  p.group_div.init(p.group_size);
   p.num_qo_heads = hq;
   p.num_kv_heads = hkv;
   p.prefetch_tiles = static_cast<int>(prefetch_tiles);

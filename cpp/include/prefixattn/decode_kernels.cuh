@@ -29,6 +29,27 @@ constexpr int kVariantBase = 6;       // counts[6 + v] .. counts[7 + v]: items o
 constexpr int kNumVariants = 4;       // query-tile heights 16, 32, 64, 128
 constexpr int kCountsLen = kVariantBase + kNumVariants + 1;
 
+// Division by a divisor fixed for a launch (GQA group size, page size, items of a launch),
+// for dividends 0 <= n < 2^31 and divisors 1 <= d < 2^31: with s = ceil(log2 d) and
+// m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s (round-up reciprocal
+// method; tests/test_fast_div.py checks the identity). Three instructions instead of the
+// twenty or so of a division by a runtime value.
+struct FastDiv {
+  uint32_t d, m, s;
+  __host__ __device__ void init(int divisor) {
+    d = static_cast<uint32_t>(divisor);
+    s = 0;
+    while ((1u << s) < d) ++s;
+    m = static_cast<uint32_t>((static_cast<uint64_t>((1ull << s) - d) << 32) / d + 1);
+  }
+#ifdef __CUDACC__
+  __device__ __forceinline__ int div(int n) const {
+    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), m) + static_cast<uint32_t>(n)) >> s);
+  }
+  __device__ __forceinline__ int mod(int n) const { return n - div(n) * static_cast<int>(d); }
+#endif
+};
+
 struct ForwardParams {
   const void* q;  // [T, Hq, D]
   const void* k;  // paged cache, element strides below
@@ -52,6 +73,8 @@ struct ForwardParams {
   int page_size;
   int page_shift;  // log2(page_size) when a power of two, else -1
   int group_size;
+  FastDiv page_div;   // by page_size
+  FastDiv group_div;  // by group_size
   int num_qo_heads;
   int num_kv_heads;
   int variant;         // which group of items this launch runs
@@ -95,11 +118,13 @@ struct Vec<__nv_bfloat16> {
   }
 };
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void cp_async_16(uint32_t s, const void* gmem, bool valid) {
   int src_size = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
                "r"(src_size));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -137,16 +162,38 @@ __device__ __forceinline__ int64_t kv_offset(const int32_t* pages, int pos, int 
   return static_cast<int64_t>(pages[page_idx]) * stride_page + slot * stride_tok;
 }
 
-// The (item, kv_head) pairs of this launch's variant: [0, total), pair -> (item, head).
+// A block's place in its stream of pairs: pair w = head * num_items + idx (item begin + idx).
+struct PairPos {
+  int w, idx, head;
+};
+
+// The (item, kv_head) pairs of this launch's variant: [0, total). A block walks them with a
+// grid stride; the stride's quotient and remainder by num_items are taken once, so a step is
+// two adds and a compare instead of a division.
 struct WorkRange {
-  int begin, num_items, total;
+  int begin, num_items, total, step_idx, step_head;
   __device__ __forceinline__ WorkRange(const ForwardParams& p) {
     begin = p.counts[kVariantBase + p.variant];
     num_items = p.counts[kVariantBase + p.variant + 1] - begin;
     total = num_items > 0 ? num_items * p.num_kv_heads : 0;
+    const int n = max(num_items, 1);
+    step_idx = static_cast<int>(gridDim.x) % n;
+    step_head = static_cast<int>(gridDim.x) / n;
   }
-  __device__ __forceinline__ int item(int w) const { return begin + w % num_items; }
-  __device__ __forceinline__ int head(int w) const { return w / num_items; }
+  // The block's first pair (blockIdx.x < total).
+  __device__ __forceinline__ PairPos first() const {
+    const int w = blockIdx.x, n = max(num_items, 1);
+    return PairPos{w, w % n, w / n};
+  }
+  __device__ __forceinline__ void advance(PairPos& q) const {
+    q.w += gridDim.x;
+    q.idx += step_idx;
+    q.head += step_head;
+    if (q.idx >= num_items) {
+      q.idx -= num_items;
+      ++q.head;
+    }
+  }
 };
 
 }  // namespace detail
@@ -215,8 +262,9 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
     int r = c / kChunks, ch = c % kChunks;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (r < num_rows) {
-      int token = p.q_tokens[slot0 + r / g];
-      int head = kv_head * g + r % g;
+      const int rs = p.group_div.div(r);
+      int token = p.q_tokens[slot0 + rs];
+      int head = kv_head * g + (r - rs * g);
       val = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + token * p.q_stride_t +
                                             head * p.q_stride_h + ch * 8);
     }
@@ -230,7 +278,7 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
     int r = warp + i * kWarps;
     m_run[i] = -INFINITY;
     l_run[i] = 0.f;
-    limit[i] = r < num_rows ? p.q_limit[slot0 + r / g] - kv_start : 0;
+    limit[i] = r < num_rows ? p.q_limit[slot0 + p.group_div.div(r)] - kv_start : 0;
 #pragma unroll
     for (int d = 0; d < kDpl; ++d) o_acc[i][d] = 0.f;
   }
@@ -325,8 +373,9 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
     if (r >= num_rows) continue;
     float l = warp_sum(l_run[i]);
     float inv = l > 0.f ? 1.f / l : 0.f;
-    int slot = slot0 + r / g;
-    int head = kv_head * g + r % g;
+    const int rs = p.group_div.div(r);
+    int slot = slot0 + rs;
+    int head = kv_head * g + (r - rs * g);
     int dst = p.q_out[slot];
     if (dst < 0) {
       T* o = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h +
@@ -350,8 +399,9 @@ template <typename T, int D, int ROWS_PER_WARP>
 __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const ForwardParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const detail::WorkRange range(p);
-  for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
-    forward_item<T, D, ROWS_PER_WARP>(p, range.item(w), range.head(w), smem_raw);
+  if (static_cast<int>(blockIdx.x) >= range.total) return;
+  for (detail::PairPos q = range.first(); q.w < range.total; range.advance(q)) {
+    forward_item<T, D, ROWS_PER_WARP>(p, range.begin + q.idx, q.head, smem_raw);
     __syncthreads();  // shared memory is reused by the next pair
   }
 }
@@ -468,24 +518,22 @@ constexpr int forward_mma_smem_bytes() {
 
 namespace detail {
 // A block's position in the stream of its (item, head) pairs, for the loads or the math.
+// k_base / v_base include the thread's column `col`.
 template <typename T>
 struct PairCursor {
-  int w;          // pair index (grid-stride)
-  int item, kv_head;
+  PairPos pos;
   int kv_len, num_tiles;  // num_tiles >= 1: an empty item still runs one masked tile
   const int32_t* pages;
   const T* k_base;
   const T* v_base;
 
-  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int w_) {
-    w = w_;
-    item = range.item(w);
-    kv_head = range.head(w);
+  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int col) {
+    const int item = range.begin + pos.idx;
     kv_len = p.kv_len[item];
     num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
     pages = p.kv_pages + p.kv_page_indptr[item];
-    k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
-    v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
+    k_base = static_cast<const T*>(p.k) + pos.head * p.k_stride_head + col;
+    v_base = static_cast<const T*>(p.v) + pos.head * p.v_stride_head + col;
   }
 };
 
@@ -494,8 +542,10 @@ struct PairCursor {
 // empty group once the stream ends). Thread-fixed: the keys row0 + i * step (i < ROWS) of
 // each tile, the 8 elements at column `col` of each row, written at element offset
 // dst0 + i * dst_step of a stage's K and V tiles (the kernel's layout). The page ids of the
-// next tile are loaded one copy ahead, so a copy never waits on them. Row offsets are one wide
-// multiply-add per term: page and token strides fit in 32 bits (checked on the host).
+// next tile are loaded one copy ahead, so a copy never waits on them. A row's source is one
+// wide 32 x 32-bit multiply (page id x page stride) plus a 32-bit in-page offset: page and
+// token strides fit in 32 bits, and so does a page's span (checked on the host); its shared
+// address is 32-bit, formed once per tile.
 // SLICE: the keys one warp computes of a tile. A warp skips its slice when the slice starts at
 // or past the item's end, so rows past the item's length rounded up to SLICE are never read
 // and are not copied; the rows before that past the end are zero-filled (masked keys carry
@@ -509,27 +559,35 @@ struct KvCopier {
   int pg[ROWS];
 
   __device__ __forceinline__ void start(const ForwardParams& p, const WorkRange& range) {
-    ld.open(p, range, blockIdx.x);
+    ld.pos = range.first();
+    ld.open(p, range, col);
     tile = 0;
     stage = 0;
     done = false;
-    load_pages(p);
+    if (p.page_shift >= 0)
+      load_pages<true>(p);
+    else
+      load_pages<false>(p);
   }
+  template <bool kPow2>
   __device__ __forceinline__ void load_pages(const ForwardParams& p) {
     const int pos0 = tile * kTileN + row0;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
-      const int idx = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+      const int idx = kPow2 ? pos >> p.page_shift : p.page_div.div(pos);
       pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
     }
   }
   template <bool kPow2>
   __device__ __forceinline__ void copy_rows(const ForwardParams& p, T* kd, T* vd) {
-    const int spk = static_cast<int>(p.k_stride_page), stk = static_cast<int>(p.k_stride_tok);
-    const int spv = static_cast<int>(p.v_stride_page), stv = static_cast<int>(p.v_stride_tok);
+    const uint32_t spk = static_cast<uint32_t>(p.k_stride_page);
+    const uint32_t spv = static_cast<uint32_t>(p.v_stride_page);
+    const int stk = static_cast<int>(p.k_stride_tok), stv = static_cast<int>(p.v_stride_tok);
     const int pos0 = tile * kTileN + row0;
     const int needed = (max(ld.kv_len, 1) + SLICE - 1) / SLICE * SLICE;
+    const uint32_t ks = static_cast<uint32_t>(__cvta_generic_to_shared(kd + dst0));
+    const uint32_t vs = static_cast<uint32_t>(__cvta_generic_to_shared(vd + dst0));
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
@@ -537,11 +595,13 @@ struct KvCopier {
       if constexpr (SLICE < kTileN)
         if (pos >= needed) continue;
       const bool valid = pos < ld.kv_len;
-      const int slot = kPow2 ? pos & (p.page_size - 1) : pos % p.page_size;
-      const int64_t ko = static_cast<int64_t>(pg[i]) * spk + slot * stk;
-      const int64_t vo = static_cast<int64_t>(pg[i]) * spv + slot * stv;
-      cp_async_16(kd + dst0 + i * dst_step, ld.k_base + ko + col, valid);
-      cp_async_16(vd + dst0 + i * dst_step, ld.v_base + vo + col, valid);
+      const int slot = kPow2 ? pos & (p.page_size - 1) : p.page_div.mod(pos);
+      const uint32_t page = static_cast<uint32_t>(pg[i]);
+      const T* ksrc = ld.k_base + (static_cast<uint64_t>(page) * spk + static_cast<uint32_t>(slot * stk));
+      const T* vsrc = ld.v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
+      const uint32_t off = static_cast<uint32_t>(i * dst_step * sizeof(T));
+      cp_async_16(ks + off, ksrc, valid);
+      cp_async_16(vs + off, vsrc, valid);
     }
   }
   // Copies the next tile of the stream into stage `stage` of k_s / v_s (stage_elems apart).
@@ -561,22 +621,29 @@ struct KvCopier {
         for (int r = threadIdx.x; r < 2 * kTileN; r += THREADS) {
           const int pos = pt * kTileN + (r >> 1);
           if (pos >= ld.kv_len) break;
-          const T* src = (r & 1) ? ld.v_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.v_stride_page, p.v_stride_tok)
-                                 : ld.k_base + kv_offset(ld.pages, pos, p.page_size, p.page_shift,
-                                                         p.k_stride_page, p.k_stride_tok);
+          const T* src = (r & 1) ? ld.v_base - col + kv_offset(ld.pages, pos, p.page_size,
+                                                               p.page_shift, p.v_stride_page,
+                                                               p.v_stride_tok)
+                                 : ld.k_base - col + kv_offset(ld.pages, pos, p.page_size,
+                                                               p.page_shift, p.k_stride_page,
+                                                               p.k_stride_tok);
           prefetch_l2(src, D * sizeof(T));
         }
       }
       if (++tile == ld.num_tiles) {
         tile = 0;
-        const int nw = ld.w + gridDim.x;
-        if (nw < range.total)
-          ld.open(p, range, nw);
+        range.advance(ld.pos);
+        if (ld.pos.w < range.total)
+          ld.open(p, range, col);
         else
           done = true;
       }
-      if (!done) load_pages(p);
+      if (!done) {
+        if (p.page_shift >= 0)
+          load_pages<true>(p);
+        else
+          load_pages<false>(p);
+      }
     }
     cp_async_commit();
     stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -586,9 +653,10 @@ struct KvCopier {
 // The pair's query slots and KV run.
 struct PairDesc {
   int item, kv_head, slot0, num_rows, kv_len, kv_start;
-  __device__ __forceinline__ void load(const ForwardParams& p, const WorkRange& range, int w) {
-    item = range.item(w);
-    kv_head = range.head(w);
+  __device__ __forceinline__ void load(const ForwardParams& p, const WorkRange& range,
+                                       const PairPos& pos) {
+    item = range.begin + pos.idx;
+    kv_head = pos.head;
     slot0 = p.q_indptr[item];
     num_rows = (p.q_indptr[item + 1] - slot0) * p.group_size;
     kv_len = p.kv_len[item];
@@ -598,7 +666,8 @@ struct PairDesc {
 
 // Causal bound (keys visible, relative to the item) of row r, 0 past the item's rows.
 __device__ __forceinline__ int row_limit(const ForwardParams& p, const PairDesc& d, int r) {
-  return r < d.num_rows ? min(p.q_limit[d.slot0 + r / p.group_size] - d.kv_start, d.kv_len) : 0;
+  return r < d.num_rows ? min(p.q_limit[d.slot0 + p.group_div.div(r)] - d.kv_start, d.kv_len)
+                        : 0;
 }
 
 // q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8), zero past the
@@ -610,12 +679,16 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, 
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
   const T* q0 = nullptr;
   const T* q1 = nullptr;
-  if (r0 < num_rows)
-    q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r0 / g] * p.q_stride_t +
-         (kv_head * g + r0 % g) * p.q_stride_h + qc;
-  if (r1 < num_rows)
-    q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + r1 / g] * p.q_stride_t +
-         (kv_head * g + r1 % g) * p.q_stride_h + qc;
+  if (r0 < num_rows) {
+    const int t = p.group_div.div(r0);
+    q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + t] * p.q_stride_t +
+         (kv_head * g + r0 - t * g) * p.q_stride_h + qc;
+  }
+  if (r1 < num_rows) {
+    const int t = p.group_div.div(r1);
+    q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + t] * p.q_stride_t +
+         (kv_head * g + r1 - t * g) * p.q_stride_h + qc;
+  }
 #pragma unroll
   for (int kc = 0; kc < kKC; ++kc) {
     qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
@@ -646,8 +719,9 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, int
     if (r >= num_rows) continue;
     const float l = h ? l1 : l0, m = h ? m1 : m0;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int slot = slot0 + r / g;
-    const int head = kv_head * g + r % g;
+    const int t = p.group_div.div(r);
+    const int slot = slot0 + t;
+    const int head = kv_head * g + r - t * g;
     const int dst = p.q_out[slot];
     if (dst < 0) {
       T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
@@ -718,7 +792,8 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   // (and, with 4 warps, its q fragments) when the pair's tiles are done.
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
   PairDesc cur, nxt;
-  cur.load(p, range, blockIdx.x);
+  PairPos npos = range.first();  // the pair after the current one, once advanced
+  cur.load(p, range, npos);
   uint32_t qa[kKC][4];
   uint32_t qa_next[kPrefetchQ ? kKC : 1][4];
   load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
@@ -739,9 +814,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
       }
     }
-    const int nw = w + gridDim.x;
-    const bool has_next = nw < range.total;
-    if (has_next) nxt.load(p, range, nw);
+    range.advance(npos);
+    const bool has_next = npos.w < range.total;
+    if (has_next) nxt.load(p, range, npos);
     const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool active = rb * 16 < num_rows;  // warp-uniform

@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   // ---- math
   const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
   PairDesc cur, nxt;
-  cur.load(p, range, blockIdx.x);
+  PairPos npos = range.first();  // the pair after the current one, once advanced
+  cur.load(p, range, npos);
   uint32_t qa[kKC][4];
   int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
   int nlim0 = 0, nlim1 = 0;
@@ -188,9 +189,9 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
       lim1 = nlim1;
     }
     load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, warp, qa);
-    const int nw = w + gridDim.x;
-    const bool has_next = nw < range.total;
-    if (has_next) nxt.load(p, range, nw);
+    range.advance(npos);
+    const bool has_next = npos.w < range.total;
+    if (has_next) nxt.load(p, range, npos);
     const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool wg_active = wg * 64 < num_rows;  // uniform over the warpgroup
