@@ -518,7 +518,9 @@ constexpr int forward_mma_smem_bytes() {
 
 namespace detail {
 // A block's position in the stream of its (item, head) pairs, for the loads or the math.
-// k_base / v_base include the thread's column `col`.
+// The copy side's position in its pair stream. k_base / v_base include the thread's column
+// `col`. The next pair's KV length and page offset are fetched one pair ahead, so moving on
+// to a pair never waits on them.
 template <typename T>
 struct PairCursor {
   PairPos pos;
@@ -526,14 +528,40 @@ struct PairCursor {
   const int32_t* pages;
   const T* k_base;
   const T* v_base;
+  int next_len, next_page0;  // of the pair after pos, when there is one
 
-  __device__ __forceinline__ void open(const ForwardParams& p, const WorkRange& range, int col) {
+  __device__ __forceinline__ void first(const ForwardParams& p, const WorkRange& range,
+                                        int col) {
+    pos = range.first();
     const int item = range.begin + pos.idx;
-    kv_len = p.kv_len[item];
+    set(p, p.kv_len[item], p.kv_page_indptr[item], col);
+    fetch_next(p, range);
+  }
+  // Moves to the next pair; false past the last one.
+  __device__ __forceinline__ bool next(const ForwardParams& p, const WorkRange& range, int col) {
+    range.advance(pos);
+    if (pos.w >= range.total) return false;
+    set(p, next_len, next_page0, col);
+    fetch_next(p, range);
+    return true;
+  }
+
+ private:
+  __device__ __forceinline__ void set(const ForwardParams& p, int len, int page0, int col) {
+    kv_len = len;
     num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
-    pages = p.kv_pages + p.kv_page_indptr[item];
+    pages = p.kv_pages + page0;
     k_base = static_cast<const T*>(p.k) + pos.head * p.k_stride_head + col;
     v_base = static_cast<const T*>(p.v) + pos.head * p.v_stride_head + col;
+  }
+  __device__ __forceinline__ void fetch_next(const ForwardParams& p, const WorkRange& range) {
+    PairPos q = pos;
+    range.advance(q);
+    if (q.w < range.total) {
+      const int item = range.begin + q.idx;
+      next_len = p.kv_len[item];
+      next_page0 = p.kv_page_indptr[item];
+    }
   }
 };
 
@@ -559,8 +587,7 @@ struct KvCopier {
   int pg[ROWS];
 
   __device__ __forceinline__ void start(const ForwardParams& p, const WorkRange& range) {
-    ld.pos = range.first();
-    ld.open(p, range, col);
+    ld.first(p, range, col);
     tile = 0;
     stage = 0;
     done = false;
@@ -632,11 +659,7 @@ struct KvCopier {
       }
       if (++tile == ld.num_tiles) {
         tile = 0;
-        range.advance(ld.pos);
-        if (ld.pos.w < range.total)
-          ld.open(p, range, col);
-        else
-          done = true;
+        done = !ld.next(p, range, col);
       }
       if (!done) {
         if (p.page_shift >= 0)
@@ -664,31 +687,48 @@ struct PairDesc {
   }
 };
 
-// Causal bound (keys visible, relative to the item) of row r, 0 past the item's rows.
-__device__ __forceinline__ int row_limit(const ForwardParams& p, const PairDesc& d, int r) {
-  return r < d.num_rows ? min(p.q_limit[d.slot0 + p.group_div.div(r)] - d.kv_start, d.kv_len)
-                        : 0;
-}
+// What a lane's two rows (r0 and r0 + 8) of a pair need from their slots: the causal bound
+// (q_limit), where the row goes (q_out) and its token (q_tokens). Loaded a pair ahead, so the
+// pair's masking and epilogue never wait on them. A row past the item's rows sees no key.
+struct RowSlots {
+  int qlim[2], dst[2], tok[2];
+  __device__ __forceinline__ void load(const ForwardParams& p, const PairDesc& d, int r0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (r < d.num_rows) {
+        const int slot = d.slot0 + p.group_div.div(r);
+        qlim[h] = p.q_limit[slot];
+        dst[h] = p.q_out[slot];
+        tok[h] = p.q_tokens[slot];
+      } else {
+        qlim[h] = d.kv_start;
+        dst[h] = -1;
+        tok[h] = 0;
+      }
+    }
+  }
+  // Keys of the item row r0 + 8 h sees.
+  __device__ __forceinline__ int limit(const PairDesc& d, int h) const {
+    return min(qlim[h] - d.kv_start, d.kv_len);
+  }
+};
 
 // q A-fragments of one 16-row block (rows r0 = 16 rb + lane / 4 and r0 + 8), zero past the
 // item's rows.
 template <typename T, int kKC>
-__device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, int num_rows,
-                                             int kv_head, int rb, uint32_t (&qa)[kKC][4]) {
+__device__ __forceinline__ void load_q_frags(const ForwardParams& p, const PairDesc& d,
+                                             const RowSlots& rs, int rb, uint32_t (&qa)[kKC][4]) {
   const int lane = threadIdx.x & 31, g = p.group_size;
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
   const T* q0 = nullptr;
   const T* q1 = nullptr;
-  if (r0 < num_rows) {
-    const int t = p.group_div.div(r0);
-    q0 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + t] * p.q_stride_t +
-         (kv_head * g + r0 - t * g) * p.q_stride_h + qc;
-  }
-  if (r1 < num_rows) {
-    const int t = p.group_div.div(r1);
-    q1 = static_cast<const T*>(p.q) + p.q_tokens[slot0 + t] * p.q_stride_t +
-         (kv_head * g + r1 - t * g) * p.q_stride_h + qc;
-  }
+  if (r0 < d.num_rows)
+    q0 = static_cast<const T*>(p.q) + rs.tok[0] * p.q_stride_t +
+         (d.kv_head * g + p.group_div.mod(r0)) * p.q_stride_h + qc;
+  if (r1 < d.num_rows)
+    q1 = static_cast<const T*>(p.q) + rs.tok[1] * p.q_stride_t +
+         (d.kv_head * g + p.group_div.mod(r1)) * p.q_stride_h + qc;
 #pragma unroll
   for (int kc = 0; kc < kKC; ++kc) {
     qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
@@ -704,7 +744,7 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, int slot0, 
 // lanes of a row here). A slot with q_out == -1 gets the normalised row in T; any other the
 // fp32 normalised partial row and its natural-log log-sum-exp.
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, int slot0,
+__device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, const RowSlots& rs,
                                            int num_rows, int kv_head, int r0, const float* o,
                                            float m0, float m1, float l0, float l1) {
   const int g = p.group_size, qc = 2 * (lane % 4);
@@ -719,12 +759,10 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, int
     if (r >= num_rows) continue;
     const float l = h ? l1 : l0, m = h ? m1 : m0;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int t = p.group_div.div(r);
-    const int slot = slot0 + t;
-    const int head = kv_head * g + r - t * g;
-    const int dst = p.q_out[slot];
+    const int head = kv_head * g + p.group_div.mod(r);
+    const int dst = rs.dst[h];
     if (dst < 0) {
-      T* out = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h;
+      T* out = static_cast<T*>(p.out) + rs.tok[h] * p.o_stride_t + head * p.o_stride_h;
 #pragma unroll
       for (int db = 0; db < D / 8; ++db)
         *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
@@ -757,7 +795,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   constexpr int kNB = kKeys / 8;      // key blocks of 8 per warp
   constexpr int kDB = D / 8;          // output dim blocks of 8
   constexpr int kKC = D / 16;         // k-chunks of q.k
-  constexpr bool kPrefetchQ = WARPS <= 4;
+  constexpr bool kPrefetchQ = WARPS <= 4 && KS > 1;  // KS = 1 would spill with it
   static_assert(kKeys % 16 == 0, "a warp's keys must fill whole k16 chunks of P.V");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Stage s holds K rows then V rows of one tile: [STAGES][2][kTileN][kRow].
@@ -788,36 +826,36 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
-  // ---- math. The next pair's descriptor is fetched when a pair starts, its causal bounds
-  // (and, with 4 warps, its q fragments) when the pair's tiles are done.
-  const int r0 = rb * 16 + lane / 4, r1 = r0 + 8;
+  // ---- math. The next pair's descriptor is fetched when a pair starts, its row slots (and,
+  // with 4 warps, its q fragments) when the pair's tiles are done.
+  const int r0 = rb * 16 + lane / 4;
   PairDesc cur, nxt;
+  RowSlots rs, nrs;
   PairPos npos = range.first();  // the pair after the current one, once advanced
   cur.load(p, range, npos);
+  rs.load(p, cur, r0);
   uint32_t qa[kKC][4];
   uint32_t qa_next[kPrefetchQ ? kKC : 1][4];
-  load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
-  int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
-  int nlim0 = 0, nlim1 = 0;
+  load_q_frags<T, kKC>(p, cur, rs, rb, qa);
   int stage = 0;
   for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
     if (w != static_cast<int>(blockIdx.x)) {
       cur = nxt;
-      lim0 = nlim0;
-      lim1 = nlim1;
+      rs = nrs;
       if constexpr (kPrefetchQ) {
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
 #pragma unroll
           for (int e = 0; e < 4; ++e) qa[kc][e] = qa_next[kc][e];
       } else {
-        load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, rb, qa);
+        load_q_frags<T, kKC>(p, cur, rs, rb, qa);
       }
     }
+    const int lim0 = rs.limit(cur, 0), lim1 = rs.limit(cur, 1);
     range.advance(npos);
     const bool has_next = npos.w < range.total;
     if (has_next) nxt.load(p, range, npos);
-    const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
+    const int kv_head = cur.kv_head, num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool active = rb * 16 < num_rows;  // warp-uniform
     // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
@@ -916,10 +954,8 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     if (has_next) {
-      nlim0 = row_limit(p, nxt, r0);
-      nlim1 = row_limit(p, nxt, r1);
-      if constexpr (kPrefetchQ)
-        load_q_frags<T, kKC>(p, nxt.slot0, nxt.num_rows, nxt.kv_head, rb, qa_next);
+      nrs.load(p, nxt, r0);
+      if constexpr (kPrefetchQ) load_q_frags<T, kKC>(p, nxt, nrs, rb, qa_next);
     }
 
     bool writer = active;
@@ -977,7 +1013,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
-    if (writer) store_rows<T, D>(p, lane, slot0, num_rows, kv_head, r0, &o[0][0], m0, m1, l0, l1);
+    if (writer) store_rows<T, D>(p, lane, rs, num_rows, kv_head, r0, &o[0][0], m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }

@@ -174,25 +174,27 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
   for (int s = 0; s < STAGES - 2; ++s) issue_next();
 
   // ---- math
-  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+  // The next pair's descriptor is fetched when a pair starts, its row slots when the pair's
+  // tiles are done.
+  const int r0 = warp * 16 + lane / 4;
   PairDesc cur, nxt;
+  RowSlots rs, nrs;
   PairPos npos = range.first();  // the pair after the current one, once advanced
   cur.load(p, range, npos);
+  rs.load(p, cur, r0);
   uint32_t qa[kKC][4];
-  int lim0 = row_limit(p, cur, r0), lim1 = row_limit(p, cur, r1);
-  int nlim0 = 0, nlim1 = 0;
   int stage = 0;
   for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
     if (w != static_cast<int>(blockIdx.x)) {
       cur = nxt;
-      lim0 = nlim0;
-      lim1 = nlim1;
+      rs = nrs;
     }
-    load_q_frags<T, kKC>(p, cur.slot0, cur.num_rows, cur.kv_head, warp, qa);
+    load_q_frags<T, kKC>(p, cur, rs, warp, qa);
+    const int lim0 = rs.limit(cur, 0), lim1 = rs.limit(cur, 1);
     range.advance(npos);
     const bool has_next = npos.w < range.total;
     if (has_next) nxt.load(p, range, npos);
-    const int kv_head = cur.kv_head, slot0 = cur.slot0, num_rows = cur.num_rows;
+    const int kv_head = cur.kv_head, num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool wg_active = wg * 64 < num_rows;  // uniform over the warpgroup
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
@@ -311,14 +313,11 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
       wgmma_wait<0>();
       pin_registers(o);
     }
-    if (has_next) {
-      nlim0 = row_limit(p, nxt, r0);
-      nlim1 = row_limit(p, nxt, r1);
-    }
+    if (has_next) nrs.load(p, nxt, r0);
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
     if (warp * 16 < num_rows)
-      store_rows<T, D>(p, lane, slot0, num_rows, kv_head, r0, o, m0, m1, l0, l1);
+      store_rows<T, D>(p, lane, rs, num_rows, kv_head, r0, o, m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }
