@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffers import COUNTS_LEN, VARIANT_ROWS, PlanBuffers, load_on_host, variant_bounds
+from .buffers import (
+    COUNTS_LEN,
+    VARIANT_ROWS,
+    PlanBuffers,
+    load_on_host,
+    packed_heads,
+    variant_bounds,
+)
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
 from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, pack
@@ -176,6 +183,10 @@ class PrefixAttention:
         count, read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items
         are split only while their pairs fill at most half of it (``prefixattn.packer``); 0
         splits every long item."""
+        self.pack_heads = True
+        """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the
+        items' rows fit (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short
+        decode items (docs/kernel-notes.md, v13). False: one KV head per pair."""
         self.one_launch_in_one_wave = True
         """When all (work item, KV head) pairs of a plan fit in one wave (at most
         ``split_target``), give every item the plan's largest tile height, so that the
@@ -611,9 +622,14 @@ class PrefixAttention:
             (forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum()
         )
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
+        bounds = variant_bounds(tiles, tile_indptr)
+        heads = 1
+        if self.pack_heads and bounds[1] > bounds[0]:
+            rows = int(np.diff(host.q_indptr)[bounds[0] : bounds[1]].max()) * shape.group_size
+            heads = packed_heads(rows, self.num_kv_heads)
         counts = np.asarray(
             [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
-             acc["num_partials"], num_tokens, *variant_bounds(tiles, tile_indptr)],
+             acc["num_partials"], num_tokens, *bounds, heads],
             dtype=np.int32,
         )  # fmt: skip
         arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}

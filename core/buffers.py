@@ -23,8 +23,31 @@ VARIANT_ROWS = (16, 32, 64, 128)
 ``counts[len(COUNTS) + v + 1]`` are the work items that run with height ``VARIANT_ROWS[v]``
 (items are ordered by tile height), so kernels launched with a fixed grid read them."""
 
-COUNTS_LEN = len(COUNTS) + len(VARIANT_ROWS) + 1
-"""Entries of the ``counts`` array (the sizes, then the variant bounds)."""
+PACKED_HEADS = len(COUNTS) + len(VARIANT_ROWS) + 1
+"""Index in ``counts`` of the KV heads one (item, KV heads) pair of the 16-row kernel covers
+(see :func:`packed_heads`)."""
+
+COUNTS_LEN = PACKED_HEADS + 1
+"""Entries of the ``counts`` array (the sizes, the variant bounds, the packed heads)."""
+
+
+def packed_heads(max_rows: int, num_kv_heads: int, tile_rows: int = VARIANT_ROWS[0]) -> int:
+    """KV heads per pair of the smallest query tile, for items of at most ``max_rows`` rows.
+
+    The 16-row kernel stacks the rows of several KV heads of one item in one tile and streams
+    those heads' KV one after another, so a short item (one decode token of a GQA group of 4:
+    4 rows) costs one pair per 4 KV heads instead of one per head. The count is the largest
+    power of two whose rows fit the tile and that divides the KV heads; 1 when nothing fits.
+
+    Worked example: 4 rows, 8 KV heads -> 4 (16 rows, pairs of heads 0-3 and 4-7); 3 rows,
+    8 KV heads -> 4 (12 rows); 8 rows, 8 KV heads -> 2; 5 rows, 6 KV heads -> 2; 9 rows -> 1.
+    """
+    heads = 1
+    if max_rows <= 0:
+        return heads
+    while 2 * heads * max_rows <= tile_rows and num_kv_heads % (2 * heads) == 0:
+        heads *= 2
+    return heads
 
 
 def variant_bounds(tiles: tuple[tuple[int, int], ...], tile_indptr: tuple[int, ...]) -> list[int]:

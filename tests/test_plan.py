@@ -259,7 +259,7 @@ def test_plan_arrays_are_int32_on_device() -> None:
 
 
 def test_variant_bounds_follow_tile_groups():
-    from prefixattn.buffers import COUNTS, COUNTS_LEN, VARIANT_ROWS, variant_bounds
+    from prefixattn.buffers import COUNTS, COUNTS_LEN, PACKED_HEADS, VARIANT_ROWS, variant_bounds
 
     assert variant_bounds(((16, 64), (16, 128), (128, 128)), (0, 3, 5, 6)) == [0, 5, 5, 5, 6]
     assert variant_bounds((), (0,)) == [0, 0, 0, 0, 0]
@@ -272,7 +272,7 @@ def test_variant_bounds_follow_tile_groups():
     plan = pa.plan(table, lens)
     counts = plan.counts.tolist()
     assert len(counts) == COUNTS_LEN
-    bounds = counts[len(COUNTS) :]
+    bounds = counts[len(COUNTS) : PACKED_HEADS]
     assert bounds[0] == 0 and bounds[-1] == plan.num_work_items
     for t, (m, _) in enumerate(plan.tiles):
         v = VARIANT_ROWS.index(m)
@@ -316,3 +316,56 @@ def test_captured_buffers_guard(monkeypatch: pytest.MonkeyPatch) -> None:
         guard.check(pa)
     with pytest.raises(RuntimeError, match=r"between two CUDA graph captures.*Do X\."):
         guard.pin(pa)
+
+
+def test_packed_heads_fill_the_smallest_tile():
+    from prefixattn.buffers import packed_heads
+
+    assert packed_heads(4, 8) == 4  # one decode token, group 4: 16 rows
+    assert packed_heads(3, 8) == 4  # 12 rows
+    assert packed_heads(8, 8) == 2
+    assert packed_heads(1, 32) == 16  # MHA: 16 heads of one row each
+    assert packed_heads(5, 6) == 2  # 10 rows; 4 heads would not divide 6
+    assert packed_heads(4, 6) == 2
+    assert packed_heads(2, 1) == 1  # one KV head
+    assert packed_heads(9, 8) == 1
+    assert packed_heads(16, 8) == 1
+    assert packed_heads(0, 8) == 1  # no 16-row items
+    for rows in range(1, 17):
+        for kv_heads in (1, 2, 3, 4, 6, 8, 12, 32):
+            h = packed_heads(rows, kv_heads)
+            assert h * rows <= 16 or h == 1
+            assert kv_heads % h == 0 and h & (h - 1) == 0
+            # the largest such power of two
+            assert not (2 * h * rows <= 16 and kv_heads % (2 * h) == 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "spec", "expected"),
+    [
+        ((32, 8), "1,64_1024,32", 4),  # one-token leaves in 16-row tiles: group 4 -> 4 heads
+        ((64, 8), "1,64_1024,32", 2),  # group 8
+        ((32, 32), "1,64_1024,32", 8),  # group 1: 16 heads' rows fit, but 1 row x 16 heads
+        ((16, 1), "1,256_1024,32", 1),  # one KV head (group 16: a leaf fills the tile)
+    ],
+)
+def test_plan_counts_hold_packed_heads(heads, spec, expected):
+    """The plan records how many KV heads a pair of the 16-row kernel covers: the largest
+    power of two whose rows (the largest 16-row item's rows each) fit in 16 and that divides
+    the KV heads; `pack_heads = False` keeps one."""
+    from prefixattn.buffers import PACKED_HEADS, VARIANT_ROWS, packed_heads
+
+    hq, hkv = heads
+    pa = PrefixAttention(hq, hkv, 128, 16)
+    table, lens = tree_batch(spec, 16)
+    plan = pa.plan(table, lens)
+    counts = plan.counts.tolist()
+    host = plan.host
+    bounds = counts[PACKED_HEADS - len(VARIANT_ROWS) - 1 : PACKED_HEADS]
+    rows = np.diff(host.q_indptr)[bounds[0] : bounds[1]] * (hq // hkv)
+    assert len(rows) > 0
+    assert counts[PACKED_HEADS] == packed_heads(int(rows.max()), hkv)
+    if expected != 8:
+        assert counts[PACKED_HEADS] == expected
+    pa.pack_heads = False
+    assert pa.plan(table, lens).counts.tolist()[PACKED_HEADS] == 1

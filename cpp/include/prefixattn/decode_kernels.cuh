@@ -27,7 +27,11 @@ constexpr int kCountItems = 0;        // work items
 constexpr int kCountMergeTokens = 3;  // tokens the merge stage combines
 constexpr int kVariantBase = 6;       // counts[6 + v] .. counts[7 + v]: items of variant v
 constexpr int kNumVariants = 4;       // query-tile heights 16, 32, 64, 128
-constexpr int kCountsLen = kVariantBase + kNumVariants + 1;
+// KV heads one pair of the 16-row variant covers (1, 2, 4, ...; a divisor of the KV heads):
+// items whose rows fit that many times in 16 rows (one decode token of a small GQA group)
+// stack the heads' rows in one tile and stream the heads' KV one after another.
+constexpr int kCountPackedHeads = kVariantBase + kNumVariants + 1;
+constexpr int kCountsLen = kCountPackedHeads + 1;
 
 // Division by a divisor fixed for a launch (GQA group size, page size, items of a launch),
 // for dividends 0 <= n < 2^31 and divisors 1 <= d < 2^31: with s = ceil(log2 d) and
@@ -170,12 +174,14 @@ struct PairPos {
 // The (item, kv_head) pairs of this launch's variant: [0, total). A block walks them with a
 // grid stride; the stride's quotient and remainder by num_items are taken once, so a step is
 // two adds and a compare instead of a division.
+// With packed heads (`heads` > 1) a pair covers KV heads head * heads .. + heads - 1.
 struct WorkRange {
-  int begin, num_items, total, step_idx, step_head;
-  __device__ __forceinline__ WorkRange(const ForwardParams& p) {
+  int begin, num_items, total, step_idx, step_head, heads;
+  __device__ __forceinline__ WorkRange(const ForwardParams& p, bool packs = false) {
     begin = p.counts[kVariantBase + p.variant];
     num_items = p.counts[kVariantBase + p.variant + 1] - begin;
-    total = num_items > 0 ? num_items * p.num_kv_heads : 0;
+    heads = packs ? max(p.counts[kCountPackedHeads], 1) : 1;
+    total = num_items > 0 ? num_items * (p.num_kv_heads / heads) : 0;
     const int n = max(num_items, 1);
     step_idx = static_cast<int>(gridDim.x) % n;
     step_head = static_cast<int>(gridDim.x) / n;
@@ -518,13 +524,13 @@ constexpr int forward_mma_smem_bytes() {
 
 namespace detail {
 // A block's position in the stream of its (item, head) pairs, for the loads or the math.
-// The copy side's position in its pair stream. k_base / v_base include the thread's column
-// `col`. The next pair's KV length and page offset are fetched one pair ahead, so moving on
-// to a pair never waits on them.
+// The copy side's position in its pair stream. k_base / v_base (the pair's first KV head)
+// include the thread's column `col`. The next pair's KV length and page offset are fetched
+// one pair ahead, so moving on to a pair never waits on them.
 template <typename T>
 struct PairCursor {
   PairPos pos;
-  int kv_len, num_tiles;  // num_tiles >= 1: an empty item still runs one masked tile
+  int kv_len, head_tiles;  // tiles per KV head, >= 1: an empty item still runs a masked tile
   const int32_t* pages;
   const T* k_base;
   const T* v_base;
@@ -534,25 +540,27 @@ struct PairCursor {
                                         int col) {
     pos = range.first();
     const int item = range.begin + pos.idx;
-    set(p, p.kv_len[item], p.kv_page_indptr[item], col);
+    set(p, range, p.kv_len[item], p.kv_page_indptr[item], col);
     fetch_next(p, range);
   }
   // Moves to the next pair; false past the last one.
   __device__ __forceinline__ bool next(const ForwardParams& p, const WorkRange& range, int col) {
     range.advance(pos);
     if (pos.w >= range.total) return false;
-    set(p, next_len, next_page0, col);
+    set(p, range, next_len, next_page0, col);
     fetch_next(p, range);
     return true;
   }
 
  private:
-  __device__ __forceinline__ void set(const ForwardParams& p, int len, int page0, int col) {
+  __device__ __forceinline__ void set(const ForwardParams& p, const WorkRange& range, int len,
+                                      int page0, int col) {
     kv_len = len;
-    num_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
+    head_tiles = max(1, (kv_len + kTileN - 1) / kTileN);
     pages = p.kv_pages + page0;
-    k_base = static_cast<const T*>(p.k) + pos.head * p.k_stride_head + col;
-    v_base = static_cast<const T*>(p.v) + pos.head * p.v_stride_head + col;
+    const int kv_head = pos.head * range.heads;
+    k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head + col;
+    v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head + col;
   }
   __device__ __forceinline__ void fetch_next(const ForwardParams& p, const WorkRange& range) {
     PairPos q = pos;
@@ -569,7 +577,8 @@ struct PairCursor {
 // after another, into STAGES shared-memory stages, one cp.async commit group per tile (an
 // empty group once the stream ends). Thread-fixed: the keys row0 + i * step (i < ROWS) of
 // each tile, the 8 elements at column `col` of each row, written at element offset
-// dst0 + i * dst_step of a stage's K and V tiles (the kernel's layout). The page ids of the
+// dst0 + i * dst_step of a stage's K and V tiles (the kernel's layout); a pair with packed heads
+// streams its first KV head's tiles, then the next head's, and so on. The page ids of the
 // next tile are loaded one copy ahead, so a copy never waits on them. A row's source is one
 // wide 32 x 32-bit multiply (page id x page stride) plus a 32-bit in-page offset: page and
 // token strides fit in 32 bits, and so does a page's span (checked on the host); its shared
@@ -581,7 +590,7 @@ struct PairCursor {
 template <typename T, int ROWS, int SLICE>
 struct KvCopier {
   PairCursor<T> ld;
-  int tile, stage;
+  int tile, sub, stage;  // tile within the KV head, KV head within the pair
   bool done;
   int row0, step, col, dst0, dst_step;
   int pg[ROWS];
@@ -589,6 +598,7 @@ struct KvCopier {
   __device__ __forceinline__ void start(const ForwardParams& p, const WorkRange& range) {
     ld.first(p, range, col);
     tile = 0;
+    sub = 0;
     stage = 0;
     done = false;
     if (p.page_shift >= 0)
@@ -657,9 +667,15 @@ struct KvCopier {
           prefetch_l2(src, D * sizeof(T));
         }
       }
-      if (++tile == ld.num_tiles) {
+      if (++tile == ld.head_tiles) {
         tile = 0;
-        done = !ld.next(p, range, col);
+        if (++sub == range.heads) {
+          sub = 0;
+          done = !ld.next(p, range, col);
+        } else {
+          ld.k_base += p.k_stride_head;
+          ld.v_base += p.v_stride_head;
+        }
       }
       if (!done) {
         if (p.page_shift >= 0)
@@ -673,38 +689,48 @@ struct KvCopier {
   }
 };
 
-// The pair's query slots and KV run.
+// The pair's query slots and KV run: the item's rows (tokens x group) for each of the pair's
+// KV heads kv_head .. kv_head + heads - 1, stacked head after head in num_rows tile rows.
 struct PairDesc {
-  int item, kv_head, slot0, num_rows, kv_len, kv_start;
+  int item, kv_head, slot0, item_rows, num_rows, kv_len, kv_start;
   __device__ __forceinline__ void load(const ForwardParams& p, const WorkRange& range,
                                        const PairPos& pos) {
     item = range.begin + pos.idx;
-    kv_head = pos.head;
+    kv_head = pos.head * range.heads;
     slot0 = p.q_indptr[item];
-    num_rows = (p.q_indptr[item + 1] - slot0) * p.group_size;
+    item_rows = (p.q_indptr[item + 1] - slot0) * p.group_size;
+    num_rows = item_rows * range.heads;
     kv_len = p.kv_len[item];
     kv_start = p.kv_start[item];
   }
 };
 
 // What a lane's two rows (r0 and r0 + 8) of a pair need from their slots: the causal bound
-// (q_limit), where the row goes (q_out) and its token (q_tokens). Loaded a pair ahead, so the
-// pair's masking and epilogue never wait on them. A row past the item's rows sees no key.
+// (q_limit), where the row goes (q_out), its token (q_tokens), its query head and which of the
+// pair's KV heads it belongs to (`sub`). Loaded a pair ahead, so the pair's masking and
+// epilogue never wait on them. A row past the pair's rows sees no key.
 struct RowSlots {
-  int qlim[2], dst[2], tok[2];
+  int qlim[2], dst[2], tok[2], head[2], sub[2];
   __device__ __forceinline__ void load(const ForwardParams& p, const PairDesc& d, int r0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
+      int r = r0 + 8 * h;
       if (r < d.num_rows) {
-        const int slot = d.slot0 + p.group_div.div(r);
+        const int s = d.num_rows > d.item_rows ? r / d.item_rows : 0;  // packed heads
+        r -= s * d.item_rows;
+        const int t = p.group_div.div(r);
+        const int slot = d.slot0 + t;
         qlim[h] = p.q_limit[slot];
         dst[h] = p.q_out[slot];
         tok[h] = p.q_tokens[slot];
+        head[h] = (d.kv_head + s) * p.group_size + r - t * p.group_size;
+        sub[h] = s;
       } else {
         qlim[h] = d.kv_start;
         dst[h] = -1;
         tok[h] = 0;
+        head[h] = 0;
+        sub[h] = -1;
       }
     }
   }
@@ -719,16 +745,14 @@ struct RowSlots {
 template <typename T, int kKC>
 __device__ __forceinline__ void load_q_frags(const ForwardParams& p, const PairDesc& d,
                                              const RowSlots& rs, int rb, uint32_t (&qa)[kKC][4]) {
-  const int lane = threadIdx.x & 31, g = p.group_size;
+  const int lane = threadIdx.x & 31;
   const int r0 = rb * 16 + lane / 4, r1 = r0 + 8, qc = 2 * (lane % 4);
   const T* q0 = nullptr;
   const T* q1 = nullptr;
   if (r0 < d.num_rows)
-    q0 = static_cast<const T*>(p.q) + rs.tok[0] * p.q_stride_t +
-         (d.kv_head * g + p.group_div.mod(r0)) * p.q_stride_h + qc;
+    q0 = static_cast<const T*>(p.q) + rs.tok[0] * p.q_stride_t + rs.head[0] * p.q_stride_h + qc;
   if (r1 < d.num_rows)
-    q1 = static_cast<const T*>(p.q) + rs.tok[1] * p.q_stride_t +
-         (d.kv_head * g + p.group_div.mod(r1)) * p.q_stride_h + qc;
+    q1 = static_cast<const T*>(p.q) + rs.tok[1] * p.q_stride_t + rs.head[1] * p.q_stride_h + qc;
 #pragma unroll
   for (int kc = 0; kc < kKC; ++kc) {
     qa[kc][0] = q0 ? *reinterpret_cast<const uint32_t*>(q0 + kc * 16) : 0u;
@@ -745,9 +769,9 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, const PairD
 // fp32 normalised partial row and its natural-log log-sum-exp.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, const RowSlots& rs,
-                                           int num_rows, int kv_head, int r0, const float* o,
-                                           float m0, float m1, float l0, float l1) {
-  const int g = p.group_size, qc = 2 * (lane % 4);
+                                           int num_rows, int r0, const float* o, float m0,
+                                           float m1, float l0, float l1) {
+  const int qc = 2 * (lane % 4);
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -759,7 +783,7 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
     if (r >= num_rows) continue;
     const float l = h ? l1 : l0, m = h ? m1 : m0;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int head = kv_head * g + p.group_div.mod(r);
+    const int head = rs.head[h];
     const int dst = rs.dst[h];
     if (dst < 0) {
       T* out = static_cast<T*>(p.out) + rs.tok[h] * p.o_stride_t + head * p.o_stride_h;
@@ -796,6 +820,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   constexpr int kDB = D / 8;          // output dim blocks of 8
   constexpr int kKC = D / 16;         // k-chunks of q.k
   constexpr bool kPrefetchQ = WARPS <= 4 && KS > 1;  // KS = 1 would spill with it
+  constexpr bool kPacksHeads = WARPS == KS;           // one 16-row block: the 16-row tiles
   static_assert(kKeys % 16 == 0, "a warp's keys must fill whole k16 chunks of P.V");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Stage s holds K rows then V rows of one tile: [STAGES][2][kTileN][kRow].
@@ -803,7 +828,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   auto k_stage = [&](int st) { return kv_s + st * 2 * kTileN * kRow; };
   auto v_stage = [&](int st) { return kv_s + (st * 2 + 1) * kTileN * kRow; };
 
-  const WorkRange range(p);
+  const WorkRange range(p, kPacksHeads);
   if (static_cast<int>(blockIdx.x) >= range.total) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = warp / KS, ks = warp % KS;
@@ -855,8 +880,10 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
     range.advance(npos);
     const bool has_next = npos.w < range.total;
     if (has_next) nxt.load(p, range, npos);
-    const int kv_head = cur.kv_head, num_rows = cur.num_rows;
-    const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
+    const int num_rows = cur.num_rows;
+    const int head_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
+    const int num_tiles = head_tiles * range.heads;
+    int ht = 0, tsub = 0;  // the tile within its KV head, and that head within the pair
     const bool active = rb * 16 < num_rows;  // warp-uniform
     // Keys at or past the warp's largest bound are masked for all its rows: such tiles are
     // skipped (short items in a key split, causal extends).
@@ -870,7 +897,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // this tile landed for everyone; the previous stage is free
       issue_next();
-      const int base = tile * kTileN + key0;
+      const int base = ht * kTileN + key0;
       if (active && base < warp_lim) {
         const T* kt = k_stage(stage) + key0 * kRow;
         const T* vt = v_stage(stage) + key0 * kRow;
@@ -890,7 +917,9 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
             mma16816<T>(s[nb + 1], qa[kc], b[2], b[3]);
           }
         }
-        const int b0 = lim0 - base, b1 = lim1 - base;
+        // Rows of the pair's other KV heads see no key of this tile.
+        const int b0 = (rs.sub[0] == tsub ? lim0 : 0) - base;
+        const int b1 = (rs.sub[1] == tsub ? lim1 : 0) - base;
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
@@ -952,6 +981,10 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
         }
       }
       if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+      if (++ht == head_tiles) {
+        ht = 0;
+        ++tsub;
+      }
     }
     if (has_next) {
       nrs.load(p, nxt, r0);
@@ -1013,7 +1046,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
     }
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
-    if (writer) store_rows<T, D>(p, lane, rs, num_rows, kv_head, r0, &o[0][0], m0, m1, l0, l1);
+    if (writer) store_rows<T, D>(p, lane, rs, num_rows, r0, &o[0][0], m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }

@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
     range.advance(npos);
     const bool has_next = npos.w < range.total;
     if (has_next) nxt.load(p, range, npos);
-    const int kv_head = cur.kv_head, num_rows = cur.num_rows;
+    const int num_rows = cur.num_rows;
     const int num_tiles = max(1, (cur.kv_len + kTileN - 1) / kTileN);
     const bool wg_active = wg * 64 < num_rows;  // uniform over the warpgroup
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
     stage = stage + 1 == STAGES ? 0 : stage + 1;
 
     if (warp * 16 < num_rows)
-      store_rows<T, D>(p, lane, rs, num_rows, kv_head, r0, o, m0, m1, l0, l1);
+      store_rows<T, D>(p, lane, rs, num_rows, r0, o, m0, m1, l0, l1);
   }
   cp_async_wait<0>();
 }
