@@ -180,9 +180,9 @@ class PrefixAttention:
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
         self.split_target: int | None = None
         """(work item, KV head) pairs the GPU runs at once; None (default): the device's SM
-        count, read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device). Long items
-        are split only while their pairs fill at most half of it (``prefixattn.packer``); 0
-        splits every long item."""
+        count, read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device). A long row
+        chunk is split only where its KV is more than twice its launch's KV tokens per SM
+        (``prefixattn.packer``); 0 splits every long item."""
         self.pack_heads = True
         """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the
         items' rows fit (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short
@@ -605,7 +605,8 @@ class PrefixAttention:
         if self.one_launch_in_one_wave and len(heights) > 1 and pairs <= target:
             # The whole plan fits in one wave: one tile height (the largest in use) for every
             # item makes the forward one launch instead of one per height. Every item already
-            # fits that height, so the items, chunks and splits stay as they are.
+            # fits that height, so the items and chunks stay as they are; the split rule then
+            # sees one launch, so it can only cut fewer parts (the plan stays in one wave).
             # The packer also sizes row chunks, merges and splits by the table's largest
             # height: keep it, so every item (all fit ``top``) just selects ``top``.
             top, largest = heights[-1], self.tiles.max_rows

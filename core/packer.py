@@ -18,15 +18,17 @@ Then, for every packing:
 
 - items with more query rows (tokens x group) than the largest tile are cut into
   row-chunks that each read the item's KV;
-- long-KV split (``split_kv``): items longer than the batch mean (the mean KV length of the
-  forest nodes that serve tokens; of the requests for ``"per_query"``; at least
-  ``MIN_SPLIT_TOKENS``) are cut, on page boundaries, into equal parts no longer than it. The
-  memory packing does not merge a child into its parent when the merged item would be cut
-  again. Splitting only pays while the long items leave the GPU idle: with ``split_target``
-  (the (item, KV head) pairs the GPU runs at once, its SM count) the long nodes' row chunks
-  times the KV heads (their pairs) are counted first; at more than half the target nothing
-  is split (and merges are not held back), otherwise each long row chunk is cut into at most
-  ``split_target // pairs`` parts;
+- long-KV split (``split_kv``): row chunks longer than the split length (the mean KV length
+  of the forest nodes that serve tokens; of the requests for ``"per_query"``; at least
+  ``MIN_SPLIT_TOKENS``) are cut, on page boundaries, into equal parts no longer than it.
+  Splitting pays only where a long pair would otherwise run on while the rest of its launch
+  has finished: with ``split_target`` (the SM count) a chunk is cut only when its KV length
+  is more than ``SPLIT_SLACK`` times its launch's share per SM (the KV tokens of all pairs of
+  the chunks of its tile height, divided by ``split_target``), into parts no longer than
+  1 / ``SPLIT_SLACK`` of that share and no shorter than ``MIN_SPLIT_TOKENS``; the memory
+  packing merges children as without a split.
+  ``split_target=0`` cuts every chunk longer than the split length, and the memory packing
+  does not merge a child into its parent when the merged item would be cut;
 - each item picks its (m, n) tile from the tile table; items are grouped by tile and, inside
   a group, ordered longest first;
 - partial rows are given only to tokens covered by more than one item.
@@ -47,6 +49,10 @@ PACKINGS = ("memory", "naive", "per_query")
 # A split part is never shorter than this many KV tokens: shorter parts cost more in partial
 # traffic and launch granularity than they gain in balance.
 MIN_SPLIT_TOKENS = 256
+# With a split target, a row chunk is cut only where one of its (item, KV head) pairs holds
+# more than this many times its launch's KV tokens per SM (unsplit, that launch would leave
+# SMs idle for more than half of its time), into parts of at most 1 / SPLIT_SLACK of that.
+SPLIT_SLACK = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +91,9 @@ class _Items:
 
 
 def _items_memory(
-    forest: PrefixForest, shape: BatchShape, qo_len: np.ndarray, max_rows: int, split_len: float
+    forest: PrefixForest, shape: BatchShape, qo_len: np.ndarray, max_rows: int, hold_len: float
 ) -> _Items:
+    """Items of the memory packing; no child is merged into an item longer than ``hold_len``."""
     items = _Items(forest.order)
     ps = forest.page_size
     g = shape.group_size
@@ -114,13 +121,13 @@ def _items_memory(
             rows_c = below[c] * g
             # Merging c: u's item loses c's rows (fewer row-chunks may read the carried KV),
             # c's item reads the carried KV once per its own row-chunk, and c's tokens skip
-            # one partial round trip. An item longer than the split length would be cut
-            # again, undoing the merge.
+            # one partial round trip. An item longer than hold_len would be cut again,
+            # undoing the merge.
             saved = (-(-rows // max_rows) - -(-(rows - rows_c) // max_rows)) * carried + below[
                 c
             ] * partial_per_token
             if (
-                token_end[c] - carried_begin * ps <= split_len
+                token_end[c] - carried_begin * ps <= hold_len
                 and saved > -(-rows_c // max_rows) * carried
             ):
                 rows -= rows_c
@@ -196,8 +203,9 @@ def pack(
 ) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting.
 
-    ``split_target``: (item, KV head) pairs the GPU runs at once (its SM count); 0 splits
-    every long item regardless.
+    ``split_target``: (item, KV head) pairs the GPU runs at once (its SM count): a long row
+    chunk is split only where its pairs would leave SMs of their launch idle; 0 splits every
+    long item regardless.
     """
     ps = forest.page_size
     qo_indptr = qo_indptr.astype(np.int64)
@@ -207,31 +215,19 @@ def pack(
     # Long-KV split length: the mean KV length of the forest's nodes that serve tokens (the
     # items before any merge), or of the requests for per_query; never below MIN_SPLIT_TOKENS.
     split_len = float("inf")
-    split_cap = 1 << 30  # most parts per row chunk
     if split_kv:
         if packing == "per_query":
             lengths = lens[qo_len > 0]
-            tokens = qo_len[qo_len > 0]
         else:
             csum = np.concatenate(([0], np.cumsum(qo_len[forest.order])))
             below = csum[forest.req_end] - csum[forest.req_begin]
-            serves = below > 0
-            lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[serves]
-            tokens = below[serves]
+            lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[below > 0]
         if len(lengths):
             split_len = max(float(lengths.mean()), MIN_SPLIT_TOKENS)
-        if split_target > 0 and len(lengths):
-            # Pairs of the long nodes' row chunks (a chunk holds max_rows // group tokens):
-            # enough of them keep the GPU busy unsplit.
-            per_chunk = max(1, table.max_rows // shape.group_size)
-            long_pairs = int((-(-tokens[lengths > split_len] // per_chunk)).sum())
-            long_pairs *= shape.num_kv_heads
-            if 2 * long_pairs > split_target:
-                split_len = float("inf")
-            elif long_pairs:
-                split_cap = split_target // long_pairs
+    # Merges are held back from items that would be cut only when every long item is cut.
+    hold_len = split_len if split_target == 0 else float("inf")
     if packing == "memory":
-        items = _items_memory(forest, shape, qo_len, table.max_rows, split_len)
+        items = _items_memory(forest, shape, qo_len, table.max_rows, hold_len)
     elif packing == "naive":
         items = _items_naive(forest)
     elif packing == "per_query":
@@ -286,15 +282,29 @@ def pack(
         np.maximum.reduceat(slot_lim, chunk_first) if n_chunks else np.zeros(0, dtype=np.int64),
     )
 
-    # 3. Long-KV split into equal page-aligned parts no longer than the split length (at most
-    #    split_cap parts).
+    # 3. Long-KV split into equal page-aligned parts no longer than the split length. With a
+    #    split target, only chunks whose pairs would leave the SMs idle are cut: those whose KV
+    #    is more than SPLIT_SLACK times their launch's share per SM (the KV tokens of all pairs
+    #    of the chunks of the same tile height, over split_target), into parts no longer than
+    #    1 / SPLIT_SLACK of that share and no shorter than MIN_SPLIT_TOKENS.
     chunk_len = chunk_end - chunk_begin
     chunk_pages = -(-chunk_len // ps)
+    parts = np.ones(n_chunks, dtype=np.int64)
     if split_kv and n_chunks:
-        parts = np.minimum(np.ceil(chunk_len / split_len).astype(np.int64), chunk_pages)
-        parts = np.maximum(np.minimum(parts, split_cap), 1)
-    else:
-        parts = np.ones(n_chunks, dtype=np.int64)
+        parts = np.maximum(
+            np.minimum(np.ceil(chunk_len / split_len).astype(np.int64), chunk_pages), 1
+        )
+        if split_target > 0:
+            chunk_rows = np.diff(np.append(chunk_first, len(slot_item))) * g
+            m_sizes = np.asarray(table.m_sizes)
+            height = np.minimum(np.searchsorted(m_sizes, chunk_rows), len(m_sizes) - 1)
+            launch_len = np.zeros(len(m_sizes), dtype=np.int64)
+            np.add.at(launch_len, height, chunk_len)
+            launch_share = shape.num_kv_heads * launch_len[height]  # x split_target
+            idle = chunk_len * split_target > SPLIT_SLACK * launch_share
+            balanced = -(-(SPLIT_SLACK * split_target * chunk_len) // np.maximum(launch_share, 1))
+            floor_parts = np.maximum(chunk_len // MIN_SPLIT_TOKENS, 1)
+            parts = np.where(idle, np.minimum(np.minimum(parts, balanced), floor_parts), 1)
     part_chunk = np.repeat(np.arange(n_chunks), parts)
     part_rank, _ = _segment_rank(part_chunk, n_chunks)
     pc, pp = chunk_pages[part_chunk], parts[part_chunk]

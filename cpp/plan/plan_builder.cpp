@@ -26,6 +26,10 @@ inline int64_t floordiv(int64_t a, int64_t b) {
 
 inline int64_t ceildiv(int64_t a, int64_t b) { return -floordiv(-a, b); }
 
+// core/packer.py MIN_SPLIT_TOKENS and SPLIT_SLACK.
+constexpr int64_t kMinSplitTokens = 256;
+constexpr int64_t kSplitSlack = 2;
+
 inline uint32_t bswap32(uint32_t x) {
 #if defined(__GNUC__) || defined(__clang__)
   return __builtin_bswap32(x);
@@ -313,7 +317,7 @@ struct Items {
 };
 
 void items_memory(const Forest& f, const PlanParams& p, const std::vector<int64_t>& qo_len,
-                  int64_t max_rows, double split_len, Items& items) {
+                  int64_t max_rows, double hold_len, Items& items) {
   items.members = f.order.data();
   const int64_t ps = f.page_size;
   const int64_t g = p.num_qo_heads / p.num_kv_heads;
@@ -370,7 +374,7 @@ void items_memory(const Forest& f, const PlanParams& p, const std::vector<int64_
           (ceildiv(fr.rows, max_rows) - ceildiv(fr.rows - rows_c, max_rows)) * fr.carried +
           below[c] * partial_per_token;
       int64_t start;
-      if (static_cast<double>(f.token_end[c] - fr.carried_begin * ps) <= split_len &&
+      if (static_cast<double>(f.token_end[c] - fr.carried_begin * ps) <= hold_len &&
           saved > ceildiv(rows_c, max_rows) * fr.carried) {
         fr.rows -= rows_c;
         items.add_run(fr.w, fr.cursor, f.req_begin[c]);
@@ -422,58 +426,43 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   }
   const int64_t max_rows = p.m_sizes.back();
 
-  // Long-KV split length and the most parts per row chunk.
+  // Long-KV split length: the mean KV length of the nodes that serve tokens (of the requests
+  // with new tokens for per_query), at least kMinSplitTokens.
   double split_len = std::numeric_limits<double>::infinity();
-  int64_t split_cap = int64_t{1} << 30;
   if (p.split_kv) {
-    // (KV length, new tokens) of every node that serves tokens (every request with new
-    // tokens for per_query).
-    std::vector<std::pair<int64_t, int64_t>> serving;
+    int64_t total = 0, count = 0;
     if (p.packing == Packing::kPerQuery) {
       for (int64_t b = 0; b < batch; ++b) {
-        if (qo_len[b] > 0) serving.emplace_back(lens[b], qo_len[b]);
+        if (qo_len[b] > 0) {
+          total += lens[b];
+          ++count;
+        }
       }
     } else {
       const int64_t n = static_cast<int64_t>(f.order.size());
       std::vector<int64_t> csum(n + 1, 0);
       for (int64_t i = 0; i < n; ++i) csum[i + 1] = csum[i] + qo_len[f.order[i]];
       for (int64_t u = 0; u < f.num_nodes(); ++u) {
-        const int64_t below = csum[f.req_end[u]] - csum[f.req_begin[u]];
-        if (below > 0) {
-          serving.emplace_back(f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps,
-                               below);
+        if (csum[f.req_end[u]] - csum[f.req_begin[u]] > 0) {
+          total += f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps;
+          ++count;
         }
       }
     }
-    if (!serving.empty()) {
-      int64_t total = 0;
-      for (const auto& entry : serving) total += entry.first;
-      split_len = std::max(static_cast<double>(total) / static_cast<double>(serving.size()),
-                           256.0);
-      if (p.split_target > 0) {
-        // Pairs of the long nodes' row chunks (a chunk holds max_rows / group tokens):
-        // enough of them keep the GPU busy unsplit.
-        const int64_t per_chunk =
-            std::max<int64_t>(1, floordiv(max_rows, p.num_qo_heads / p.num_kv_heads));
-        int64_t long_pairs = 0;
-        for (const auto& [len, tokens] : serving) {
-          if (static_cast<double>(len) > split_len) long_pairs += ceildiv(tokens, per_chunk);
-        }
-        long_pairs *= p.num_kv_heads;
-        if (2 * long_pairs > p.split_target) {
-          split_len = std::numeric_limits<double>::infinity();
-        } else if (long_pairs > 0) {
-          split_cap = p.split_target / long_pairs;
-        }
-      }
+    if (count > 0) {
+      split_len = std::max(static_cast<double>(total) / static_cast<double>(count),
+                           static_cast<double>(kMinSplitTokens));
     }
   }
+  // Merges are held back from items that would be cut only when every long item is cut.
+  const double hold_len =
+      p.split_target == 0 ? split_len : std::numeric_limits<double>::infinity();
 
   Items items;
   std::vector<int32_t> pq_rows;
   switch (p.packing) {
     case Packing::kMemory:
-      items_memory(f, p, qo_len, max_rows, split_len, items);
+      items_memory(f, p, qo_len, max_rows, hold_len, items);
       break;
     case Packing::kNaive:
       items_naive(f, items);
@@ -558,7 +547,23 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     chunk_end[c] = std::min(it_tok_end[chunk_item[c]], chunk_end[c]);
   }
 
-  // 3. Long-KV split into equal page-aligned parts; each part's visible slots.
+  // 3. Long-KV split into equal page-aligned parts; each part's visible slots. With a split
+  // target, only chunks whose KV is more than kSplitSlack times their launch's share per SM
+  // (the KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into
+  // parts no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens.
+  const int64_t n_heights = static_cast<int64_t>(p.m_sizes.size());
+  auto height_of = [&](int64_t rows) {
+    return std::min<int64_t>(
+        std::lower_bound(p.m_sizes.begin(), p.m_sizes.end(), rows) - p.m_sizes.begin(),
+        n_heights - 1);
+  };
+  std::vector<int64_t> launch_len(n_heights, 0);
+  if (p.split_kv && p.split_target > 0) {
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g)] +=
+          chunk_end[c] - chunk_begin[c];
+    }
+  }
   std::vector<int64_t> part_chunk, part_begin, part_end, part_slots, pair_first;
   std::vector<int64_t> pair_slot;
   for (auto* v : {&part_chunk, &part_begin, &part_end, &part_slots, &pair_first}) {
@@ -571,9 +576,19 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     int64_t parts = 1;
     if (p.split_kv) {
       parts = std::max<int64_t>(
-          std::min({static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages,
-                    split_cap}),
+          std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages),
           1);
+      if (p.split_target > 0) {
+        const int64_t share =  // x split_target
+            p.num_kv_heads * launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g)];
+        if (len * p.split_target > kSplitSlack * share) {
+          const int64_t balanced =
+              ceildiv(kSplitSlack * p.split_target * len, std::max<int64_t>(share, 1));
+          parts = std::min({parts, balanced, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1)});
+        } else {
+          parts = 1;
+        }
+      }
     }
     for (int64_t k = 0; k < parts; ++k) {
       const int64_t begin = chunk_begin[c] + floordiv(k * pages, parts) * ps;

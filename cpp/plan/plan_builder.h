@@ -48,9 +48,10 @@ struct PlanParams {
   std::vector<int64_t> n_sizes;
   Packing packing = Packing::kMemory;
   bool split_kv = true;
-  // (item, KV head) pairs the GPU runs at once (its SM count): long items are split only
-  // while their pairs fill at most half of it, into at most split_target / pairs parts.
-  // 0 splits every long item.
+  // (item, KV head) pairs the GPU runs at once (its SM count): a long row chunk is split only
+  // where its KV is more than twice its launch's share per SM (the KV tokens of the pairs of
+  // its tile height / split_target), into parts of at most half that share and at least 256
+  // tokens. 0 splits every long item.
   int64_t split_target = 0;
 };
 
