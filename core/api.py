@@ -185,8 +185,9 @@ class PrefixAttention:
         (``prefixattn.packer``); 0 splits every long item."""
         self.pack_heads = True
         """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the
-        items' rows fit (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short
-        decode items (docs/kernel-notes.md, v13). False: one KV head per pair."""
+        items' rows fit and the launch keeps at least ``split_target`` pairs
+        (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short decode items
+        (docs/kernel-notes.md, v14). False: one KV head per pair."""
         self.one_launch_in_one_wave = True
         """When all (work item, KV head) pairs of a plan fit in one wave (at most
         ``split_target``), give every item the plan's largest tile height, so that the
@@ -626,8 +627,12 @@ class PrefixAttention:
         bounds = variant_bounds(tiles, tile_indptr)
         heads = 1
         if self.pack_heads and bounds[1] > bounds[0]:
+            # As many KV heads per pair as the 16-row items' rows allow, while the launch
+            # keeps at least one pair per SM.
             rows = int(np.diff(host.q_indptr)[bounds[0] : bounds[1]].max()) * shape.group_size
-            heads = packed_heads(rows, self.num_kv_heads)
+            sms = target if target > 0 else _split_target(self.device)
+            heads = packed_heads(rows, self.num_kv_heads, bounds[1] - bounds[0], sms)
+            assert rows * heads <= VARIANT_ROWS[0] and self.num_kv_heads % heads == 0
         counts = np.asarray(
             [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
              acc["num_partials"], num_tokens, *bounds, heads],

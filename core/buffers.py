@@ -31,21 +31,33 @@ COUNTS_LEN = PACKED_HEADS + 1
 """Entries of the ``counts`` array (the sizes, the variant bounds, the packed heads)."""
 
 
-def packed_heads(max_rows: int, num_kv_heads: int, tile_rows: int = VARIANT_ROWS[0]) -> int:
+def packed_heads(
+    max_rows: int,
+    num_kv_heads: int,
+    num_items: int | None = None,
+    min_pairs: int = 0,
+    tile_rows: int = VARIANT_ROWS[0],
+) -> int:
     """KV heads per pair of the smallest query tile, for items of at most ``max_rows`` rows.
 
     The 16-row kernel stacks the rows of several KV heads of one item in one tile and streams
     those heads' KV one after another, so a short item (one decode token of a GQA group of 4:
     4 rows) costs one pair per 4 KV heads instead of one per head. The count is the largest
     power of two whose rows fit the tile and that divides the KV heads; 1 when nothing fits.
+    Packing also divides the launch's pairs, so with ``num_items`` given it stops before the
+    launch would run fewer than ``min_pairs`` pairs (the SMs it should keep busy): a few long
+    requests keep one pair per KV head.
 
     Worked example: 4 rows, 8 KV heads -> 4 (16 rows, pairs of heads 0-3 and 4-7); 3 rows,
     8 KV heads -> 4 (12 rows); 8 rows, 8 KV heads -> 2; 5 rows, 6 KV heads -> 2; 9 rows -> 1.
+    4 rows, 8 KV heads, 64 items, at least 132 pairs -> 2 (256 pairs; 4 heads would leave 128).
     """
     heads = 1
     if max_rows <= 0:
         return heads
     while 2 * heads * max_rows <= tile_rows and num_kv_heads % (2 * heads) == 0:
+        if num_items is not None and num_items * num_kv_heads // (2 * heads) < min_pairs:
+            break
         heads *= 2
     return heads
 

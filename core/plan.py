@@ -108,7 +108,9 @@ class LaunchPlan:
     tile_indptr
         Tile groups: items ``tile_indptr[t] .. tile_indptr[t+1]-1`` use ``tiles[t]``.
     num_ctas
-        Thread blocks the forward stage launches: ``num_work_items * num_kv_heads``.
+        (work item, KV head) pairs of the forward stage: ``num_work_items * num_kv_heads``
+        (the 16-row kernel may run several KV heads of an item as one pair,
+        ``counts[PACKED_HEADS]``).
     kv_bytes
         Bytes of K and V the forward stage reads from global memory in one call (one layer),
         counting repeated reads of a shared page by several work items.

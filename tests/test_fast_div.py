@@ -1,10 +1,10 @@
 """The kernels' division by a launch-fixed divisor (`FastDiv` in decode_kernels.cuh).
 
-The kernels divide row indices by the GQA group size, positions by the page size and pair
-indices by the item count with q = (umulhi(n, m) + n) >> s, where s = ceil(log2 d) and
-m = floor(2^32 (2^s - d) / d) + 1, computed by `FastDiv::init`. This checks that identity in
-exact integer arithmetic, with the same 32-bit wrap-arounds as the CUDA code, for every
-divisor the kernels can meet (group sizes 1-16, page sizes, item counts) over the dividends
+The kernels divide row indices by the GQA group size and positions by the page size with
+q = (umulhi(n, m) + n) >> s, where s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1,
+computed by `FastDiv::init` on the host. This checks that identity in exact integer
+arithmetic, with the same 32-bit wrap-arounds as the CUDA code, for divisors 1-256 (group
+and page sizes) and larger ones up to 2^31 - 1, over the dividends
 where an error would show first (multiples of d and their neighbours, powers of two, the
 largest int32), plus random ones. The GPU tests run the kernels with group sizes 1, 3, 4, 7,
 16 and page sizes 1, 3, 16, 24, 32, 64.

@@ -338,6 +338,11 @@ def test_packed_heads_fill_the_smallest_tile():
     assert packed_heads(9, 8) == 1
     assert packed_heads(16, 8) == 1
     assert packed_heads(0, 8) == 1  # no 16-row items
+    # Packing stops before the launch would run fewer pairs than asked for.
+    assert packed_heads(4, 8, num_items=256, min_pairs=132) == 4  # 512 pairs
+    assert packed_heads(4, 8, num_items=64, min_pairs=132) == 2  # 256 pairs; 4 heads: 128
+    assert packed_heads(4, 8, num_items=8, min_pairs=132) == 1  # 64 pairs already
+    assert packed_heads(1, 32, num_items=64, min_pairs=132) == 8  # 256 pairs
     for rows in range(1, 17):
         for kv_heads in (1, 2, 3, 4, 6, 8, 12, 32):
             h = packed_heads(rows, kv_heads)
@@ -350,9 +355,9 @@ def test_packed_heads_fill_the_smallest_tile():
 @pytest.mark.parametrize(
     ("heads", "spec", "expected"),
     [
-        ((32, 8), "1,64_1024,32", 4),  # one-token leaves in 16-row tiles: group 4 -> 4 heads
-        ((64, 8), "1,64_1024,32", 2),  # group 8
-        ((32, 32), "1,64_1024,32", 8),  # group 1: 16 heads' rows fit, but 1 row x 16 heads
+        ((32, 8), "1,256_1024,32", 4),  # one-token leaves in 16-row tiles: group 4 -> 4 heads
+        ((64, 8), "1,256_1024,32", 2),  # group 8
+        ((32, 32), "1,256_1024,32", 16),  # group 1: 16 heads of one row each
         ((16, 1), "1,256_1024,32", 1),  # one KV head (group 16: a leaf fills the tile)
     ],
 )
@@ -371,8 +376,20 @@ def test_plan_counts_hold_packed_heads(heads, spec, expected):
     bounds = counts[PACKED_HEADS - len(VARIANT_ROWS) - 1 : PACKED_HEADS]
     rows = np.diff(host.q_indptr)[bounds[0] : bounds[1]] * (hq // hkv)
     assert len(rows) > 0
-    assert counts[PACKED_HEADS] == packed_heads(int(rows.max()), hkv)
-    if expected != 8:
-        assert counts[PACKED_HEADS] == expected
+    assert counts[PACKED_HEADS] == packed_heads(int(rows.max()), hkv, len(rows), 132)
+    assert counts[PACKED_HEADS] == expected
     pa.pack_heads = False
     assert pa.plan(table, lens).counts.tolist()[PACKED_HEADS] == 1
+
+
+@pytest.mark.parametrize(("spec", "expected"), [("8_32768", 1), ("2_32768", 1), ("64_4096", 2)])
+def test_packed_heads_keep_small_batches_parallel(spec, expected):
+    """A few long requests without sharing keep one pair per KV head: packing their heads
+    would leave most SMs idle (8 requests x 8 KV heads = 64 pairs on 132 SMs)."""
+    from prefixattn.buffers import PACKED_HEADS
+
+    pa = PrefixAttention(32, 8, 128, 16)
+    pa.split_target = 132
+    table, lens = tree_batch(spec, 16)
+    plan = pa.plan(table, lens)
+    assert plan.counts.tolist()[PACKED_HEADS] == expected

@@ -90,8 +90,9 @@ int fill_grid(K kernel, int threads, int smem) {
   return sms * (per_sm > 0 ? per_sm : 1);
 }
 
-// Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host, or -1 when the
-// launch must run any plan (fixed grid). The shared-memory opt-in applies to the current device
+// Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host (an upper bound
+// where the 16-row kernel packs several KV heads per pair: surplus blocks return at once), or
+// -1 when the launch must run any plan (fixed grid). The shared-memory opt-in applies to the current device
 // only and the full grid depends on the device, so both are set up once per device.
 template <auto kernel>
 void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream_t stream) {

@@ -33,7 +33,7 @@ constexpr int kNumVariants = 4;       // query-tile heights 16, 32, 64, 128
 constexpr int kCountPackedHeads = kVariantBase + kNumVariants + 1;
 constexpr int kCountsLen = kCountPackedHeads + 1;
 
-// Division by a divisor fixed for a launch (GQA group size, page size, items of a launch),
+// Division by a divisor fixed for a launch (GQA group size, page size),
 // for dividends 0 <= n < 2^31 and divisors 1 <= d < 2^31: with s = ceil(log2 d) and
 // m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s (round-up reciprocal
 // method; tests/test_fast_div.py checks the identity). Three instructions instead of the
@@ -523,7 +523,6 @@ constexpr int forward_mma_smem_bytes() {
 }
 
 namespace detail {
-// A block's position in the stream of its (item, head) pairs, for the loads or the math.
 // The copy side's position in its pair stream. k_base / v_base (the pair's first KV head)
 // include the thread's column `col`. The next pair's KV length and page offset are fetched
 // one pair ahead, so moving on to a pair never waits on them.
@@ -653,7 +652,7 @@ struct KvCopier {
       else
         copy_rows<false>(p, kd, vd);
       if (p.prefetch_tiles > 0) {
-        // One K or V row (D * 2 bytes) per thread, prefetch_tiles tiles ahead in this pair.
+        // One K or V row (D * 2 bytes) per thread, prefetch_tiles tiles ahead in this KV head.
         const int pt = tile + p.prefetch_tiles;
         for (int r = threadIdx.x; r < 2 * kTileN; r += THREADS) {
           const int pos = pt * kTileN + (r >> 1);
@@ -807,8 +806,10 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
 
 // Persistent and pipelined across pairs: the block's pairs form one stream of KV tiles, and
 // the copies run STAGES - 1 tiles ahead of the math across pair boundaries, so a pair of one
-// tile (a short leaf) costs its bytes, not a round of dependent loads. With 4 warps the
-// next pair's q fragments are fetched into registers while the current pair computes.
+// tile (a short leaf) costs its bytes, not a round of dependent loads. With key splits (the
+// 16- and 32-row tiles) the next pair's q fragments are fetched into registers while the
+// current pair computes. The 16-row kernel may run several KV heads of an item as one pair
+// (counts[kCountPackedHeads]): rows stacked head after head, one head's tiles after another.
 template <typename T, int D, int WARPS, int KS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
   using namespace detail;
@@ -852,7 +853,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
   // ---- math. The next pair's descriptor is fetched when a pair starts, its row slots (and,
-  // with 4 warps, its q fragments) when the pair's tiles are done.
+  // with key splits, its q fragments) when the pair's tiles are done.
   const int r0 = rb * 16 + lane / 4;
   PairDesc cur, nxt;
   RowSlots rs, nrs;
