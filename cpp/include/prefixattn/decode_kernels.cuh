@@ -691,10 +691,10 @@ struct KvCopier {
 // The pair's query slots and KV run: the item's rows (tokens x group) for each of the pair's
 // KV heads kv_head .. kv_head + heads - 1, stacked head after head in num_rows tile rows.
 struct PairDesc {
-  int item, kv_head, slot0, item_rows, num_rows, kv_len, kv_start;
+  int kv_head, slot0, item_rows, num_rows, kv_len, kv_start;
   __device__ __forceinline__ void load(const ForwardParams& p, const WorkRange& range,
                                        const PairPos& pos) {
-    item = range.begin + pos.idx;
+    const int item = range.begin + pos.idx;
     kv_head = pos.head * range.heads;
     slot0 = p.q_indptr[item];
     item_rows = (p.q_indptr[item + 1] - slot0) * p.group_size;
