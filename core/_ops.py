@@ -56,32 +56,36 @@ def cuda_ops_available() -> bool:
 
 
 class Workspace:
-    """Scratch owned by a ``PrefixAttention``: the fp32 partial output and log-sum-exp rows.
+    """Scratch owned by a ``PrefixAttention``: the partial output rows (in q's dtype) and their
+    fp32 log-sum-exp.
 
-    Buffers grow (doubling) only when a plan needs more; their addresses are otherwise stable,
-    which keeps captured CUDA graphs valid.
+    Buffers grow (doubling) only when a plan needs more, or change when q's dtype does; their
+    addresses are otherwise stable, which keeps captured CUDA graphs valid.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> None:
         self.device = torch.device(device)
-        self.partial_o = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.partial_o = torch.empty(0, dtype=dtype, device=self.device)
         self.partial_lse = torch.empty(0, dtype=torch.float32, device=self.device)
 
-    def reserve(self, num_partials: int, num_qo_heads: int, head_dim: int) -> bool:
-        """Make room for ``num_partials`` rows of [num_qo_heads, head_dim]; True if a buffer
-        moved (a captured CUDA graph that used the old one is stale)."""
+    def reserve(
+        self, num_partials: int, num_qo_heads: int, head_dim: int, dtype: torch.dtype | None = None
+    ) -> bool:
+        """Make room for ``num_partials`` rows of [num_qo_heads, head_dim] (partial output in
+        ``dtype``, by default the current one); True if a buffer moved (a captured CUDA graph
+        that used the old one is stale)."""
+        dtype = self.partial_o.dtype if dtype is None else dtype
         rows = max(num_partials, 1) * num_qo_heads
+        moved = False
         if self.partial_lse.numel() < rows:
             rows = max(rows, 2 * self.partial_lse.numel())
             self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-            self.partial_o = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
-            return True
-        if self.partial_o.numel() < rows * head_dim:
-            self.partial_o = torch.empty(
-                self.partial_lse.numel() * head_dim, dtype=torch.float32, device=self.device
-            )
-            return True
-        return False
+            moved = True
+        size = self.partial_lse.numel() * head_dim
+        if moved or self.partial_o.numel() < rows * head_dim or self.partial_o.dtype != dtype:
+            self.partial_o = torch.empty(size, dtype=dtype, device=self.device)
+            moved = True
+        return moved
 
 
 def run_plan_cuda(
@@ -97,6 +101,7 @@ def run_plan_cuda(
     fixed_grid: bool = False,
     concurrent: bool = False,
     fixed_variants: int = -1,
+    chained: bool = False,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
@@ -106,7 +111,7 @@ def run_plan_cuda(
     """
     if not _load():
         raise RuntimeError("prefixattn: the compiled library (_C) is not available")
-    workspace.reserve(plan.num_partials, plan.num_qo_heads, plan.head_dim)
+    workspace.reserve(plan.num_partials, plan.num_qo_heads, plan.head_dim, q.dtype)
     torch.ops.prefixattn.run_plan(
         q,
         k_cache,
@@ -135,4 +140,5 @@ def run_plan_cuda(
         bool(fixed_grid),
         bool(concurrent),
         int(fixed_variants),
+        bool(chained),
     )

@@ -175,6 +175,11 @@ class PrefixAttention:
         """CUDA kernels: run the tile groups (one launch per query-tile height) on forked
         streams at once instead of one after another on the caller's stream (not measured
         yet; see docs/kernel-notes.md)."""
+        self.chain_launches = False
+        """CUDA kernels: let each launch of a call after the first (the next tile height, the
+        merge) start while the one before it drains (programmatic dependent launch), so the
+        launches overlap at their tails; off, each waits for the one before to finish. Off by
+        default: the suite measured no gain overall (docs/kernel-notes.md, v17)."""
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
@@ -223,7 +228,7 @@ class PrefixAttention:
         *,
         hinted: bool = False,
     ) -> None:
-        """Size the plan's device buffers and the fp32 partials scratch (CUDA devices) for
+        """Size the plan's device buffers and the partials scratch (CUDA devices) for
         plans up to these counts.
 
         num_work_items: work items; num_pages: page ids over all items (at most the query-
@@ -280,8 +285,8 @@ class PrefixAttention:
         from . import _ops
 
         if self._workspace is None:
-            self._workspace = _ops.Workspace(self.device)
-        if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim):
+            self._workspace = _ops.Workspace(self.device, self.dtype)
+        if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim, self.dtype):
             if self._buffers is None:
                 self._buffers = PlanBuffers(self.device)
             self._buffers.generation += 1
@@ -648,7 +653,7 @@ class PrefixAttention:
                     self._buffers = PlanBuffers(dev)
                 buffers = self._buffers
             views = buffers.load(arrays)
-            # The fp32 partials scratch grows here, on the host side of the step, so that
+            # The partials scratch grows here, on the host side of the step, so that
             # buffers_generation tells graph users about it before any replay.
             self._reserve_workspace(acc["num_partials"])
         else:
@@ -740,11 +745,11 @@ class PrefixAttention:
 
             if _ops.cuda_ops_available():
                 if self._workspace is None:
-                    self._workspace = _ops.Workspace(q.device)
+                    self._workspace = _ops.Workspace(q.device, q.dtype)
                 _ops.run_plan_cuda(
                     plan, q, k_cache, v_cache, out, scale, self._workspace,
                     prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
-                    concurrent=self.concurrent_groups,
+                    concurrent=self.concurrent_groups, chained=self.chain_launches,
                 )  # fmt: skip
                 if self._guard is not None:
                     # The fallback of hinted plans: its counts are zero unless a check failed
@@ -754,7 +759,7 @@ class PrefixAttention:
                     _ops.run_plan_cuda(
                         fallback, q, k_cache, v_cache, out, scale, self._workspace,
                         prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
-                        fixed_variants=self._guard.variants,
+                        fixed_variants=self._guard.variants, chained=self.chain_launches,
                     )  # fmt: skip
                 return out
         if plan.fallback is not None and plan.fallback_taken is not None and plan.fallback_taken:

@@ -73,8 +73,9 @@ class BatchShape:
         return tokens * 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
 
     def partial_bytes(self, rows: int) -> int:
-        """fp32 o and lse of ``rows`` partial rows, written once and read once."""
-        return rows * self.num_qo_heads * (self.head_dim + 1) * 4 * 2
+        """o (in the cache dtype) and fp32 lse of ``rows`` partial rows, written once and read
+        once."""
+        return rows * self.num_qo_heads * (self.head_dim * self.elem_bytes + 4) * 2
 
 
 class _Items:

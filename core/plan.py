@@ -12,7 +12,8 @@ Vocabulary
   and the tokens that all attend to it. The kernel runs one thread block per
   (work item, KV head); its query tile holds ``len(tokens) * group_size`` rows
   (token-major, heads of one KV group contiguous).
-- *partial*: one fp32 row ``[Hq, D]`` of un-normalised-then-normalised output plus ``[Hq]``
+- *partial*: one row ``[Hq, D]`` of normalised output (the CUDA kernels and the reference
+  store it in the input dtype) plus ``[Hq]`` fp32
   log-sum-exp (natural log of the sum of ``exp(scale * q.k)``), written by a work item
   for a token that other work items also cover. A token covered by exactly one work item
   is written straight to the output in the input dtype and never merged.
@@ -115,8 +116,8 @@ class LaunchPlan:
         Bytes of K and V the forward stage reads from global memory in one call (one layer),
         counting repeated reads of a shared page by several work items.
     partial_bytes
-        Bytes of fp32 partial output and log-sum-exp written by the forward stage and read
-        back by the merge stage in one call.
+        Bytes of partial output (input dtype) and fp32 log-sum-exp written by the forward
+        stage and read back by the merge stage in one call.
     distinct_kv_bytes
         Bytes of K and V of the distinct KV entries the batch attends to: what an ideal kernel
         reads once.

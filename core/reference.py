@@ -2,7 +2,8 @@
 
 - :func:`run_plan_reference` executes a :class:`~prefixattn.plan.LaunchPlan` exactly as the
   kernels do: every work item's partial attention over its KV pages, written either to a
-  partial row (fp32 o and log-sum-exp) or straight to the output, then the log-sum-exp merge.
+  partial row (o rounded to q's dtype, as the kernels store it, and its log-sum-exp) or
+  straight to the output, then the log-sum-exp merge.
   It runs on any device and is what ``PrefixAttention.run`` uses without CUDA kernels.
 - :func:`attention_reference` is plain attention over each request's gathered KV, with no
   plan at all: the ground truth the tests compare against.
@@ -43,7 +44,8 @@ def run_plan_reference(
     g = hq // hkv
     cdt = _compute_dtype(q.dtype)
     dev = q.device
-    partial_o = torch.empty(plan.num_partials, hq, d, dtype=cdt, device=dev)
+    # Partial rows are stored in q's dtype (the lse in the compute dtype), as in the kernels.
+    partial_o = torch.empty(plan.num_partials, hq, d, dtype=q.dtype, device=dev)
     partial_lse = torch.empty(plan.num_partials, hq, dtype=cdt, device=dev)
     # The plan's own page array (for plan_unshared the host array holds table positions).
     kv_pages = plan.kv_pages.to(device=dev, dtype=torch.long)
@@ -74,7 +76,7 @@ def run_plan_reference(
             out.index_copy_(0, tokens[direct], o[direct].to(out.dtype))
         if not bool(direct.all()):
             rows = dst[~direct]
-            partial_o.index_copy_(0, rows, o[~direct])
+            partial_o.index_copy_(0, rows, o[~direct].to(partial_o.dtype))
             partial_lse.index_copy_(0, rows, lse[~direct])
     if plan.num_merge_tokens:
         merge_tokens = torch.as_tensor(h.merge_tokens, dtype=torch.long, device=dev)
@@ -87,7 +89,7 @@ def run_plan_reference(
         weight = torch.exp(lse - lse_max.index_select(0, seg))  # [R, Hq]
         total = torch.zeros_like(lse_max).index_add_(0, seg, weight)
         acc = torch.zeros(len(merge_tokens), hq, d, dtype=cdt, device=dev)
-        acc.index_add_(0, seg, partial_o.index_select(0, rows) * weight.unsqueeze(-1))
+        acc.index_add_(0, seg, partial_o.index_select(0, rows).to(cdt) * weight.unsqueeze(-1))
         out.index_copy_(0, merge_tokens, (acc / total.unsqueeze(-1)).to(out.dtype))
     return out
 

@@ -1,5 +1,6 @@
 // CUDA implementation of prefixattn::run_plan: one forward launch per query-tile variant on the
-// current stream, then one merge launch; sizes come from the plan's device `counts`.
+// current stream, then one merge launch; sizes come from the plan's device `counts`. With
+// `chained`, the launches after the first may start while the one before drains.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -90,12 +91,32 @@ int fill_grid(K kernel, int threads, int smem) {
   return sms * (per_sm > 0 ? per_sm : 1);
 }
 
+// Launches `kernel` on `stream`; `chained` adds the programmatic-serialization attribute, so
+// it may start while the launch before it on the stream drains (the kernels' ChainLink and
+// chain_wait_prev keep the order that matters: decode_kernels.cuh).
+template <typename Params>
+void launch_kernel(void (*kernel)(Params), int grid, int threads, int smem, cudaStream_t stream,
+                   bool chained, const Params& p) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = chained ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
 // Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host (an upper bound
 // where the 16-row kernel packs several KV heads per pair: surplus blocks return at once), or
 // -1 when the launch must run any plan (fixed grid). The shared-memory opt-in applies to the current device
 // only and the full grid depends on the device, so both are set up once per device.
 template <auto kernel>
-void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream_t stream) {
+void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream_t stream,
+            bool chained) {
   static std::atomic<int> full_per_device[64] = {};  // 0: not set up on that device yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -108,37 +129,37 @@ void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream
     slot.store(full, std::memory_order_relaxed);
   }
   const int grid = pairs < 0 ? full : std::min(pairs, full);
-  if (grid > 0) kernel<<<grid, threads, smem, stream>>>(p);
+  if (grid > 0) launch_kernel(kernel, grid, threads, smem, stream, chained, p);
 }
 
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
 template <typename T, int D>
-void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
+void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool chained) {
   if constexpr (D <= 128) {
     // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
     // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
     constexpr int S = D <= 64 ? 4 : 3;
     switch (p.variant) {
       case 0: return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
-                            forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream);
+                            forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream, chained);
       case 1: return launch<forward_mma_kernel<T, D, 4, 2, S>>(128,
-                            forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream);
+                            forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream, chained);
       case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
-                            forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream);
+                            forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
       default: return launch<forward_wgmma_kernel<T, D, 5>>(256, forward_wgmma_smem_bytes<D, 5>(),
-                                                             p, pairs, stream);
+                                                             p, pairs, stream, chained);
     }
   } else {
     // CUDA cores (head_dim 256): 8 warps, ROWS_PER_WARP = rows / 8; at most 64 rows.
     switch (p.variant) {
       case 0: return launch<forward_kernel<T, D, 2>>(detail::kThreads, forward_smem_bytes<D, 2>(),
-                            p, pairs, stream);
+                            p, pairs, stream, chained);
       case 1: return launch<forward_kernel<T, D, 4>>(detail::kThreads, forward_smem_bytes<D, 4>(),
-                            p, pairs, stream);
+                            p, pairs, stream, chained);
       case 2: return launch<forward_kernel<T, D, 8>>(detail::kThreads, forward_smem_bytes<D, 8>(),
-                            p, pairs, stream);
+                            p, pairs, stream, chained);
       default: TORCH_CHECK(pairs <= 0, "prefixattn: query tile of 128 rows is not instantiated "
                                        "for head_dim 256 (max 64)");
     }
@@ -146,11 +167,11 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s) {
+void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s, bool chained) {
   switch (D) {
-    case 64: return launch_variant<T, 64>(p, pairs, s);
-    case 128: return launch_variant<T, 128>(p, pairs, s);
-    case 256: return launch_variant<T, 256>(p, pairs, s);
+    case 64: return launch_variant<T, 64>(p, pairs, s, chained);
+    case 128: return launch_variant<T, 128>(p, pairs, s, chained);
+    case 256: return launch_variant<T, 256>(p, pairs, s, chained);
     default: TORCH_CHECK(false, "prefixattn: head_dim ", D, " unsupported (64, 128, 256)");
   }
 }
@@ -158,7 +179,7 @@ void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s
 // Merge: 8 warps per block, one (token, head) pair per warp and round; `num_merge` tokens
 // known on the host, or -1 for the fixed grid.
 template <typename T>
-void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s) {
+void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s, bool chained) {
   auto kernel = D == 64 ? merge_kernel<T, 64> : D == 128 ? merge_kernel<T, 128> : merge_kernel<T, 256>;
   static std::atomic<int> full_per_device[64] = {};  // SMs x resident blocks, per device
   int device = 0;
@@ -170,7 +191,7 @@ void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s) {
     slot.store(full, std::memory_order_relaxed);
   }
   const int grid = num_merge < 0 ? full : std::min((num_merge * p.num_qo_heads + 7) / 8, full);
-  if (grid > 0) kernel<<<grid, 256, 0, s>>>(p);
+  if (grid > 0) launch_kernel(kernel, grid, 256, 0, s, chained, p);
 }
 
 void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -183,7 +204,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& merge_partials, const at::Tensor& counts,
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
-                   bool concurrent, int64_t fixed_variants) {
+                   bool concurrent, int64_t fixed_variants, bool chained) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -202,8 +223,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1,
               "prefixattn: last dims must be contiguous");
-  TORCH_CHECK(partial_o.scalar_type() == at::kFloat && partial_lse.scalar_type() == at::kFloat,
-              "prefixattn: partial buffers must be float32");
+  TORCH_CHECK(partial_o.scalar_type() == q.scalar_type() && partial_lse.scalar_type() == at::kFloat,
+              "prefixattn: partial_o must have q's dtype (", q.scalar_type(), "), got ",
+              partial_o.scalar_type(), "; partial_lse must be float32, got ", partial_lse.scalar_type());
   for (auto* t : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
@@ -239,7 +261,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.k = k_cache.data_ptr();
   p.v = v_cache.data_ptr();
   p.out = out.data_ptr();
-  p.partial_o = partial_o.data_ptr<float>();
+  p.partial_o = partial_o.data_ptr();
   p.partial_lse = partial_lse.data_ptr<float>();
   p.kv_page_indptr = kv_page_indptr.data_ptr<int32_t>();
   p.kv_pages = kv_pages.data_ptr<int32_t>();
@@ -326,10 +348,12 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       s = groups->side[i - 1];
       C10_CUDA_CHECK(cudaStreamWaitEvent(s, groups->fork, 0));
     }
+    // Chained: every launch after the run's first on the caller's stream (serial groups).
+    const bool link = chained && groups == nullptr && i > 0;
     if (q.scalar_type() == at::kHalf)
-      launch_variant_dim<half>(D, p, pairs, s);
+      launch_variant_dim<half>(D, p, pairs, s, link);
     else
-      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s);
+      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s, link);
     if (s != stream) {
       C10_CUDA_CHECK(cudaEventRecord(groups->join[i - 1], s));
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));
@@ -347,10 +371,14 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     mp.o_stride_t = p.o_stride_t;
     mp.o_stride_h = p.o_stride_h;
     mp.num_qo_heads = hq;
+    // The merge follows a forward launch of this run on the caller's stream (unless the plan
+    // had none, or the groups joined back through events).
+    const bool link = chained && groups == nullptr && num_launches > 0;
+    const int num_merge = fixed ? -1 : static_cast<int>(num_merge_tokens);
     if (q.scalar_type() == at::kHalf)
-      launch_merge<half>(mp, D, fixed ? -1 : static_cast<int>(num_merge_tokens), stream);
+      launch_merge<half>(mp, D, num_merge, stream, link);
     else
-      launch_merge<__nv_bfloat16>(mp, D, fixed ? -1 : static_cast<int>(num_merge_tokens), stream);
+      launch_merge<__nv_bfloat16>(mp, D, num_merge, stream, link);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -5,13 +5,14 @@
 
 TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // Executes a LaunchPlan: forward over every tile group, then the merge. Mutates out and the
-  // fp32 partial buffers. tile_indptr / tile_m: host tile groups of the plan (items
+  // partial buffers (partial_o in q's dtype, partial_lse fp32). tile_indptr / tile_m: host tile groups of the plan (items
   // tile_indptr[t]..tile_indptr[t+1]-1 run with query tile height tile_m[t]); the kernels read
   // the item bounds of each height from `counts`. prefetch_tiles > 0 prefetches KV that many
   // tiles ahead into L2; fixed_grid launches plan-independent grids (as under graph capture);
   // concurrent runs the tile groups on forked streams instead of one after another;
   // fixed_variants (-1: all) limits the plan-independent launches to the forward variants of
-  // its bits 0-3 and the merge (bit 4), for a plan known never to use the others.
+  // its bits 0-3 and the merge (bit 4), for a plan known never to use the others; chained
+  // lets each launch after the first start while the one before it drains (serial groups).
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
@@ -19,5 +20,5 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
       "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
-      "int fixed_variants=-1) -> ()");
+      "int fixed_variants=-1, bool chained=False) -> ()");
 }

@@ -70,7 +70,7 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
           packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
-          concurrent=False, one_wave=True):  # fmt: skip
+          concurrent=False, one_wave=True, chained=False):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -84,7 +84,8 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     ws = _ops.Workspace(DEV)
     scale = 1.0 / math.sqrt(d)
     _ops.run_plan_cuda(plan, q, k, v, out, scale, ws, fixed_grid=fixed_grid,
-                       prefetch_tiles=prefetch_tiles, concurrent=concurrent)  # fmt: skip
+                       prefetch_tiles=prefetch_tiles, concurrent=concurrent,
+                       chained=chained)  # fmt: skip
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert not torch.isnan(out).any(), "unwritten output elements"
     err = (out.float() - ref).abs().max().item()
@@ -137,13 +138,39 @@ def test_random_forest(case, packing, qlen, seed):
     table, lens, num_pages = random_forest(rng, ps, int(rng.integers(1, 40)),
                                            max(1, 700 // ps), 339)  # fmt: skip
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
-    # Seed 1 also takes the fixed-grid launches (as under graph capture) and L2 prefetch;
-    # seed 2 runs the tile groups concurrently, seed 1 too (with fixed grids). Seed 2 keeps
-    # each item's own tile height in one-wave plans, so small forests still launch several
-    # heights (and concurrent groups have several groups to run).
+    # Seed 0 chains its launches; seed 1 also takes the fixed-grid launches (as under graph
+    # capture) and L2 prefetch; seed 2 runs the tile groups concurrently, seed 1 too (with
+    # fixed grids). Seed 2 keeps each item's own tile height in one-wave plans, so small
+    # forests still launch several heights (and concurrent groups have several groups to run).
     check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
           seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * (seed == 1),
-          concurrent=seed >= 1, one_wave=seed != 2)  # fmt: skip
+          concurrent=seed >= 1, one_wave=seed != 2, chained=seed == 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("fixed_grid", [False, True])
+def test_chained_launches_match_serial(fixed_grid):
+    # Chained launches (each tile height and the merge may start while the launch before it
+    # drains) compute exactly what launches that wait for each other compute: same plan,
+    # same bits. Several heights per call (one_launch_in_one_wave off) and merged tokens.
+    for spec in ("1,4,16,512_1024,256,128,32", "8,16,32,256_512,512,256,32", "1,256_256,32"):
+        table, lens = tree_batch(spec, 16, seed=3)
+        num_pages = int(table.max()) + 1
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        k, v = make_cache(num_pages, 16, 8, 128, torch.bfloat16, "NHD", False, gen)
+        q = torch.randn(len(lens), 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        pa = prefixattn.PrefixAttention(32, 8, 128, 16, device=DEV, dtype=torch.bfloat16)
+        pa.one_launch_in_one_wave = False
+        plan = pa.plan(table, lens)
+        assert len(plan.tiles) > 1 and plan.num_merge_tokens > 0, plan.summary()
+        outs = []
+        for chained in (False, True, True):
+            out = torch.full_like(q, float("nan"))
+            _ops.run_plan_cuda(plan, q, k, v, out, 0.1, _ops.Workspace(DEV),
+                               fixed_grid=fixed_grid, chained=chained)  # fmt: skip
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), spec
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
@@ -234,17 +261,19 @@ def _replay_matches(graph, q, out, k, v, table, lens, gen, label):
     assert err < 4 * EPS[torch.bfloat16] * 4, f"{label}: max error {err}"
 
 
-@pytest.mark.parametrize("concurrent", [False, True])
-def test_cuda_graph_replays_new_plans(concurrent):
+@pytest.mark.parametrize("mode", ["serial", "concurrent", "chained"])
+def test_cuda_graph_replays_new_plans(mode):
     # Capture once, then replay plans of other forests (other item counts, tile heights,
     # merges) with the same number of tokens: the graph reads every size from device memory.
-    # With concurrent groups the capture follows the forked streams.
+    # With concurrent groups the capture follows the forked streams; chained launches become
+    # programmatic edges of the graph.
     hq, hkv, d, ps, b = 32, 8, 128, 16, 64
     gen = torch.Generator(device=DEV).manual_seed(5)
     num_pages = 64 * 80
     k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
-    pa.concurrent_groups = concurrent
+    pa.concurrent_groups = mode == "concurrent"
+    pa.chain_launches = mode == "chained"
     pa.reserve(num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024,
                num_tokens=b)  # fmt: skip
     generation = pa.buffers_generation

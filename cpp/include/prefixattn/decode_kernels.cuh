@@ -12,8 +12,9 @@
 // Each pair streams its item's KV run through shared memory once (64-token tiles, STAGES-deep
 // cp.async pipeline, zero-filled past the end: masked keys carry V = 0, never NaN) and computes
 // every query row of the item against it. A query covered by one item gets its output written
-// in q's dtype; otherwise the item writes an fp32 normalised partial row and its natural-log
-// log-sum-exp, and the merge kernel combines the partials.
+// in q's dtype; otherwise the item writes its normalised partial row, also in q's dtype (half
+// the bytes of fp32: partial rows are a large share of a deep tree's traffic), and its fp32
+// natural-log log-sum-exp, and the merge kernel combines the partials in fp32.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -59,7 +60,7 @@ struct ForwardParams {
   const void* k;  // paged cache, element strides below
   const void* v;
   void* out;            // [T, Hq, D], q's dtype
-  float* partial_o;     // [num_partials, Hq, D]
+  void* partial_o;      // [num_partials, Hq, D], q's dtype
   float* partial_lse;   // [num_partials, Hq]
   const int32_t* kv_page_indptr;
   const int32_t* kv_pages;
@@ -87,7 +88,7 @@ struct ForwardParams {
 };
 
 struct MergeParams {
-  const float* partial_o;
+  const void* partial_o;  // q's dtype
   const float* partial_lse;
   void* out;
   const int32_t* merge_tokens;
@@ -99,6 +100,34 @@ struct MergeParams {
 };
 
 namespace detail {
+
+// Chained launches (programmatic dependent launch, sm_90): the host may launch a run's forward
+// launches after the first, and its merge, with the programmatic-serialization attribute, so
+// each may start while the one before drains. A forward launch lets the next one start at
+// once; the next one's blocks find room on an SM only as this launch's blocks leave, so the
+// launches overlap at their tails, not at their cores. They write disjoint rows, so none
+// waits for another's data. Block 0 of every forward launch waits for the launch before it to
+// finish before it exits, so a launch finishes only after every launch before it, and the
+// merge waits for the last forward launch before it reads a partial row. Launched without
+// the attribute, both instructions return at once.
+__device__ __forceinline__ void chain_allow_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void chain_wait_prev() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Declared first in a forward kernel: lets the next launch start, and makes block 0 wait for
+// the previous launch on every way out of the kernel.
+struct ChainLink {
+  __device__ __forceinline__ ChainLink() { chain_allow_next(); }
+  __device__ __forceinline__ ~ChainLink() {
+    if (blockIdx.x == 0) chain_wait_prev();
+  }
+};
 
 constexpr int kTileN = 64;
 constexpr int kPad = 8;  // halfs of padding per smem KV row: rows 16 B apart mod 128 B
@@ -383,26 +412,20 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
     int slot = slot0 + rs;
     int head = kv_head * g + (r - rs * g);
     int dst = p.q_out[slot];
-    if (dst < 0) {
-      T* o = static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h +
-             lane * kDpl;
+    T* o = dst < 0 ? static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h
+                   : static_cast<T*>(p.partial_o) + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
 #pragma unroll
-      for (int d = 0; d < kDpl; ++d) o[d] = Vec<T>::from_float(o_acc[i][d] * inv);
-    } else {
-      float* o = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D + lane * kDpl;
-#pragma unroll
-      for (int d = 0; d < kDpl; ++d) o[d] = o_acc[i][d] * inv;
-      if (lane == 0) {
-        // m_run is in log2 units: lse = ln(sum exp(scale * qk)) = (m + log2(l)) * ln(2).
-        p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
-            l > 0.f ? (m_run[i] + log2f(l)) * 0.69314718055994531f : -INFINITY;
-      }
-    }
+    for (int d = 0; d < kDpl; ++d) o[lane * kDpl + d] = Vec<T>::from_float(o_acc[i][d] * inv);
+    // m_run is in log2 units: lse = ln(sum exp(scale * qk)) = (m + log2(l)) * ln(2).
+    if (dst >= 0 && lane == 0)
+      p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+          l > 0.f ? (m_run[i] + log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
 }
 
 template <typename T, int D, int ROWS_PER_WARP>
 __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const ForwardParams p) {
+  const detail::ChainLink chain;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const detail::WorkRange range(p);
   if (static_cast<int>(blockIdx.x) >= range.total) return;
@@ -414,10 +437,11 @@ __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const Forward
 
 // One warp per (merged token, head), grid-stride over counts[kCountMergeTokens] x heads (a
 // fixed grid runs any plan); lane owns D / 32 contiguous dims. Combines the token's partial
-// rows by log-sum-exp and writes q's dtype.
+// rows (q's dtype) by log-sum-exp in fp32 and writes q's dtype.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
   constexpr int kDpl = D / 32;
+  detail::chain_wait_prev();  // the forward launches have written every partial row
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (blockDim.x >> 5);
   const int total = p.counts[kCountMergeTokens] * p.num_qo_heads;
@@ -427,7 +451,7 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
     const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
     float m = -INFINITY;
     for (int j = begin + lane; j < end; j += 32)
-      m = fmaxf(m, p.partial_lse[static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h]);
+      m = fmaxf(m, __ldcg(p.partial_lse + static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h));
     m = detail::warp_max(m);
     float acc[kDpl];
 #pragma unroll
@@ -436,12 +460,12 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
     if (m != -INFINITY) {
       for (int j = begin; j < end; ++j) {
         const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
-        const float w = __expf(p.partial_lse[row] - m);
+        const float w = __expf(__ldcg(p.partial_lse + row) - m);
         wsum += w;
-        const float* src = p.partial_o + row * D + lane * kDpl;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.partial_o) + row * D + lane * kDpl);
 #pragma unroll
         for (int d = 0; d < kDpl; d += 2) {
-          const float2 x = *reinterpret_cast<const float2*>(src + d);
+          const float2 x = detail::Vec<T>::to_float2(__ldcg(src + d / 2));
           acc[d] += w * x.x;
           acc[d + 1] += w * x.y;
         }
@@ -764,8 +788,8 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, const PairD
 // Epilogue of one warp's 16 rows (r0 = 16 rb + lane / 4 and r0 + 8) in the tensor-core
 // kernels: o holds D / 2 accumulators (n8 block db at o[4 db .. 4 db + 3], rows r0 and r0 + 8
 // in its halves), m and l the rows' softmax state over the lane's keys (summed over the 4
-// lanes of a row here). A slot with q_out == -1 gets the normalised row in T; any other the
-// fp32 normalised partial row and its natural-log log-sum-exp.
+// lanes of a row here). The normalised row goes out in T: to the output for a slot with
+// q_out == -1, else to its partial row, with the fp32 natural-log log-sum-exp beside it.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, const RowSlots& rs,
                                            int num_rows, int r0, const float* o, float m0,
@@ -784,22 +808,15 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int head = rs.head[h];
     const int dst = rs.dst[h];
-    if (dst < 0) {
-      T* out = static_cast<T*>(p.out) + rs.tok[h] * p.o_stride_t + head * p.o_stride_h;
+    T* out = dst < 0 ? static_cast<T*>(p.out) + rs.tok[h] * p.o_stride_t + head * p.o_stride_h
+                     : static_cast<T*>(p.partial_o) + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
 #pragma unroll
-      for (int db = 0; db < D / 8; ++db)
-        *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
-            pack2<T>(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
-    } else {
-      float* out = p.partial_o + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
-#pragma unroll
-      for (int db = 0; db < D / 8; ++db)
-        *reinterpret_cast<float2*>(out + db * 8 + qc) =
-            make_float2(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
-      if (lane % 4 == 0)
-        p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
-            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
-    }
+    for (int db = 0; db < D / 8; ++db)
+      *reinterpret_cast<uint32_t*>(out + db * 8 + qc) =
+          pack2<T>(o[4 * db + 2 * h] * inv, o[4 * db + 2 * h + 1] * inv);
+    if (dst >= 0 && lane % 4 == 0)
+      p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
+          l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
 }
 }  // namespace detail
@@ -813,6 +830,7 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
 template <typename T, int D, int WARPS, int KS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
   using namespace detail;
+  const ChainLink chain;
   constexpr int kRow = D + kPad;
   constexpr int kChunks = D / 8;
   constexpr int kThreadsM = WARPS * 32;
