@@ -260,7 +260,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
     CUDA graphs (:meth:`get_cudagraph_support`): ``UNIFORM_BATCH`` when
     :func:`cuda_graphs_available`, else ``NEVER``. With full graphs on, the builder
 
-    - reserves, in ``__init__``, the plan buffers and the fp32 partials of its
+    - reserves, in ``__init__``, the plan buffers and the partials of its
       ``PrefixAttention`` for the largest captured batch (``T`` tokens: vLLM's
       ``max_cudagraph_capture_size`` capped at ``max_num_seqs`` times the decode query length;
       ``S * T + 1024`` work items and query slots, ``S`` from :func:`graph_slots_per_token` or
