@@ -111,7 +111,14 @@ def run_plan_cuda(
     """
     if not _load():
         raise RuntimeError("prefixattn: the compiled library (_C) is not available")
-    workspace.reserve(plan.num_partials, plan.num_qo_heads, plan.head_dim, q.dtype)
+    moved = workspace.reserve(plan.num_partials, plan.num_qo_heads, plan.head_dim, q.dtype)
+    if moved and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A graph captured now would keep the new buffer while the caller's earlier captures
+        # keep the old one; size the workspace before capturing (PrefixAttention.reserve).
+        raise RuntimeError(
+            "prefixattn: the partials workspace had to grow or change dtype during CUDA-graph "
+            "capture; reserve it before capturing"
+        )
     torch.ops.prefixattn.run_plan(
         q,
         k_cache,

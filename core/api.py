@@ -208,7 +208,7 @@ class PrefixAttention:
 
     @property
     def buffers_generation(self) -> int:
-        """Bumped whenever a plan outgrows the device buffers its arrays live in, or the fp32
+        """Bumped whenever a plan outgrows the device buffers its arrays live in, or the
         partials scratch (CUDA only).
 
         A CUDA graph captured over :meth:`run` stays valid across plans while this value is

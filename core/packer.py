@@ -6,8 +6,11 @@ Three packings:
   ``c`` of node ``u`` is *merged* into ``u`` (its work item also reads the KV carried down
   to ``u``) when that saves more partial-result traffic than it costs in repeated KV reads::
 
-      tokens(c) * group * 8 * (head_dim + 1)   >   carried_len(u) * 2 * head_dim * elem_bytes
-      (fp32 o + lse written and read back)           (K and V of the carried pages read again)
+      saved: tokens(c) * group * 2 * (head_dim * elem_bytes + 4)
+             (o in the cache dtype and fp32 lse, written and read back)
+      cost:  carried_len(u) * 2 * head_dim * elem_bytes
+             (K and V of the carried pages read again)
+      merge when saved > cost
 
   Otherwise ``c`` gets its own item and its tokens stay in ``u``'s item.
 - ``"naive"``: every forest node is its own item (each distinct page read once per query-row

@@ -226,6 +226,11 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(partial_o.scalar_type() == q.scalar_type() && partial_lse.scalar_type() == at::kFloat,
               "prefixattn: partial_o must have q's dtype (", q.scalar_type(), "), got ",
               partial_o.scalar_type(), "; partial_lse must be float32, got ", partial_lse.scalar_type());
+  // Partial rows are read and written two elements (4 bytes) at a time.
+  TORCH_CHECK(partial_o.is_cuda() && partial_lse.is_cuda() && partial_o.is_contiguous() &&
+                  partial_lse.is_contiguous() &&
+                  reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 4 == 0,
+              "prefixattn: partial buffers must be contiguous CUDA tensors, partial_o 4-byte aligned");
   for (auto* t : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
@@ -332,6 +337,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // Serial: every group on the caller's stream. Concurrent: the first group there, the others
   // on side streams forked from it and joined back before the merge (a graph capture follows
   // the fork and the joins).
+  const bool merge_runs = fixed ? fixed_launches(kNumVariants) : num_merge_tokens > 0;
   const GroupStreams* groups = nullptr;
   if (concurrent && num_launches > 1) {
     int device = 0;
@@ -350,6 +356,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     }
     // Chained: every launch after the run's first on the caller's stream (serial groups).
     const bool link = chained && groups == nullptr && i > 0;
+    p.chain_next = chained && groups == nullptr && (i + 1 < num_launches || merge_runs) ? 1 : 0;
     if (q.scalar_type() == at::kHalf)
       launch_variant_dim<half>(D, p, pairs, s, link);
     else
@@ -359,7 +366,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));
     }
   }
-  if (fixed ? fixed_launches(kNumVariants) : num_merge_tokens > 0) {
+  if (merge_runs) {
     MergeParams mp{};
     mp.partial_o = p.partial_o;
     mp.partial_lse = p.partial_lse;

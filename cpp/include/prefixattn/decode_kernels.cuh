@@ -84,6 +84,7 @@ struct ForwardParams {
   int num_kv_heads;
   int variant;         // which group of items this launch runs
   int prefetch_tiles;  // > 0: prefetch the KV tile this many tiles ahead of the copies into L2
+  int chain_next;      // 1: the next launch of the run is chained to this one (ChainLink)
   float scale_log2;    // softmax scale * log2(e)
 };
 
@@ -103,9 +104,11 @@ namespace detail {
 
 // Chained launches (programmatic dependent launch, sm_90): the host may launch a run's forward
 // launches after the first, and its merge, with the programmatic-serialization attribute, so
-// each may start while the one before drains. A forward launch lets the next one start at
-// once; the next one's blocks find room on an SM only as this launch's blocks leave, so the
-// launches overlap at their tails, not at their cores. They write disjoint rows, so none
+// each may start while the one before drains. A forward launch whose next launch is chained
+// (ForwardParams::chain_next) lets it start at once; otherwise it signals nothing early, so a
+// kernel that follows the run (launched by others, perhaps with the attribute) never starts
+// before the run's last launch ends. The next launch's blocks find room on an SM only as this
+// launch's blocks leave, so the launches overlap at their tails, not at their cores. They write disjoint rows, so none
 // waits for another's data. Block 0 of every forward launch waits for the launch before it to
 // finish before it exits, so a launch finishes only after every launch before it, and the
 // merge waits for the last forward launch before it reads a partial row. Launched without
@@ -120,10 +123,12 @@ __device__ __forceinline__ void chain_wait_prev() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// Declared first in a forward kernel: lets the next launch start, and makes block 0 wait for
-// the previous launch on every way out of the kernel.
+// Declared first in a forward kernel: lets a chained next launch start, and makes block 0 wait
+// for the previous launch on every way out of the kernel.
 struct ChainLink {
-  __device__ __forceinline__ ChainLink() { chain_allow_next(); }
+  __device__ __forceinline__ explicit ChainLink(int chain_next) {
+    if (chain_next) chain_allow_next();
+  }
   __device__ __forceinline__ ~ChainLink() {
     if (blockIdx.x == 0) chain_wait_prev();
   }
@@ -425,7 +430,7 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
 
 template <typename T, int D, int ROWS_PER_WARP>
 __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const ForwardParams p) {
-  const detail::ChainLink chain;
+  const detail::ChainLink chain(p.chain_next);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const detail::WorkRange range(p);
   if (static_cast<int>(blockIdx.x) >= range.total) return;
@@ -830,7 +835,7 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
 template <typename T, int D, int WARPS, int KS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
   using namespace detail;
-  const ChainLink chain;
+  const ChainLink chain(p.chain_next);
   constexpr int kRow = D + kPad;
   constexpr int kChunks = D / 8;
   constexpr int kThreadsM = WARPS * 32;

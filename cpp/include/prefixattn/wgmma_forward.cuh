@@ -130,7 +130,7 @@ constexpr int forward_wgmma_smem_bytes() {
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardParams p) {
   using namespace detail;
-  const ChainLink chain;
+  const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
   constexpr int kThreadsW = 256;
   constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
