@@ -345,6 +345,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     groups = &group_streams(device, stream);
     C10_CUDA_CHECK(cudaEventRecord(groups->fork, stream));
   }
+  // Chained launches: only serial groups, all on the caller's stream.
+  const bool chain = chained && groups == nullptr;
   for (int i = 0; i < num_launches; ++i) {
     const int v = launches[i];
     p.variant = v;
@@ -354,9 +356,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       s = groups->side[i - 1];
       C10_CUDA_CHECK(cudaStreamWaitEvent(s, groups->fork, 0));
     }
-    // Chained: every launch after the run's first on the caller's stream (serial groups).
-    const bool link = chained && groups == nullptr && i > 0;
-    p.chain_next = chained && groups == nullptr && (i + 1 < num_launches || merge_runs) ? 1 : 0;
+    // Every launch after the run's first is chained to the one before it.
+    const bool link = chain && i > 0;
+    p.chain_next = chain && (i + 1 < num_launches || merge_runs) ? 1 : 0;
     if (q.scalar_type() == at::kHalf)
       launch_variant_dim<half>(D, p, pairs, s, link);
     else
@@ -379,8 +381,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     mp.o_stride_h = p.o_stride_h;
     mp.num_qo_heads = hq;
     // The merge follows a forward launch of this run on the caller's stream (unless the plan
-    // had none, or the groups joined back through events).
-    const bool link = chained && groups == nullptr && num_launches > 0;
+    // had none).
+    const bool link = chain && num_launches > 0;
     const int num_merge = fixed ? -1 : static_cast<int>(num_merge_tokens);
     if (q.scalar_type() == at::kHalf)
       launch_merge<half>(mp, D, num_merge, stream, link);
