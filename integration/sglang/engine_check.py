@@ -25,7 +25,12 @@ both backends compute in bf16 with fp32 accumulation and round the attention out
 (relative 2^-8) in different orders; after four layers and the LM head that stays well below
 0.05 nats, while a wrong mask, scale, page or padding row stays far above it.
 
+With ``--decode-only`` the checked engine runs the reference backend for prefill and
+prefixattn for decode (``--attention-backend triton --decode-attention-backend prefixattn``:
+SGLang's hybrid backend), against the reference alone.
+
     python integration/sglang/engine_check.py --out DIR [--graph-modes on off] [--budget S]
+        [--decode-only]
 """
 
 from __future__ import annotations
@@ -76,6 +81,18 @@ def prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]], list[int]]
     return warm, checked, [8 + 8 * (i % 3) for i in range(len(checked))]
 
 
+DECODE_ONLY = "-prefill-prefixattn-decode"  # label suffix: REF for prefill, prefixattn for decode
+
+
+def backend_args(backend: str) -> dict[str, str]:
+    """SGLang's backend arguments for a label: ``NAME``, or ``REF-prefill-prefixattn-decode``."""
+    if backend.endswith(DECODE_ONLY):
+        prefill = backend.removesuffix(DECODE_ONLY)
+        return {"attention_backend": prefill, "prefill_attention_backend": prefill,
+                "decode_attention_backend": "prefixattn"}  # fmt: skip
+    return {"attention_backend": backend}
+
+
 def run_engine(model: str, backend: str, graphs: bool) -> dict:
     """One engine, in this process: greedy tokens and top-2 logprobs of every checked prompt."""
     import sglang as sgl
@@ -83,7 +100,7 @@ def run_engine(model: str, backend: str, graphs: bool) -> dict:
     warm, checked, max_new = prompts()
     t0 = time.time()
     llm = sgl.Engine(
-        model_path=model, skip_tokenizer_init=True, attention_backend=backend,
+        model_path=model, skip_tokenizer_init=True, **backend_args(backend),
         disable_cuda_graph=not graphs, cuda_graph_max_bs_decode=32, mem_fraction_static=0.5,
         context_length=4096, max_running_requests=64, random_seed=0, log_level="info",
         decode_log_interval=1,
@@ -112,7 +129,8 @@ def run_engine(model: str, backend: str, graphs: bool) -> dict:
                 "cached_tokens": meta.get("cached_tokens"),
             }
         )
-    keys = ("attention_backend", "cuda_graph_config", "max_total_num_tokens", "version")
+    keys = ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
+            "cuda_graph_config", "max_total_num_tokens", "version")  # fmt: skip
     return {
         "backend": backend,
         "graphs": graphs,
@@ -181,6 +199,8 @@ def main() -> int:
     ap.add_argument("--graph-modes", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all engine runs")
     ap.add_argument("--model", help="an existing model folder (default: write a fresh one)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="check prefixattn as the decode backend beside the reference's prefill")  # fmt: skip
     ap.add_argument("--one", nargs=2, metavar=("BACKEND", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     # On SIGTERM (e.g. from `timeout`) unwind, so the engines' process groups get killed.
@@ -196,7 +216,8 @@ def main() -> int:
     model = args.model or os.path.join(tempfile.mkdtemp(), "tiny-llama")
     if not args.model:
         save_model(model)
-    backends = (args.reference, "prefixattn")
+    candidate = args.reference + DECODE_ONLY if args.decode_only else "prefixattn"
+    backends = (args.reference, candidate)
     summary: dict[str, Any] = {}
     runs_left = len(backends) * len(args.graph_modes)
     for mode in args.graph_modes:
@@ -205,7 +226,7 @@ def main() -> int:
             runs_left -= 1
             timeout = deadline - time.monotonic() - 45 * runs_left  # leave later runs 45 s
             res[backend] = run_one(model, backend, mode, args.out, timeout)
-        ref, got = res[args.reference], res["prefixattn"]
+        ref, got = res[args.reference], res[candidate]
         if "error" in ref or "error" in got:
             result: dict[str, Any] = {
                 "ok": False,
@@ -230,7 +251,7 @@ def main() -> int:
             result["start_s"] = {b: r["start_s"] for b, r in res.items()}
             result["server"] = got["server"]
         result["errors"] = {b: r for b, r in res.items() if "error" in r}
-        summary[f"graphs_{mode}"] = result
+        summary[("decode_only_" if args.decode_only else "") + f"graphs_{mode}"] = result
         print(f"graphs {mode}:", json.dumps(result), flush=True)
         (args.out / "sglang_engine_check.json").write_text(json.dumps(summary, indent=1))
     ok = bool(summary) and all(v["ok"] for v in summary.values())

@@ -4,6 +4,9 @@
 #   integration/sglang/run_gpu.sh check   engine_check.py (CUDA graphs on and off, against
 #                                         SGLang's triton backend), then server_smoke.py
 #   integration/sglang/run_gpu.sh smoke   server_smoke.py alone
+#   integration/sglang/run_gpu.sh decode-only
+#                                         engine_check.py --decode-only (triton prefill beside
+#                                         prefixattn decode), CUDA graphs on and off
 #   integration/sglang/run_gpu.sh bench   bench_decode.py (prefixattn, flashinfer, triton)
 #   integration/sglang/run_gpu.sh all     check, then bench (two parts' time)
 #
@@ -96,6 +99,14 @@ smoke() {
     tee -a "$summary"
 }
 
+part_decode_only() {
+  save_model
+  local secs=$(($(left) - 5))
+  step engine_check_decode_only "$secs" python $here/engine_check.py --out "$OUT" \
+    --model "$model" --graph-modes on off --decode-only --budget $((secs - 25))
+  grep -E "^graphs|engine_check" "$OUT/engine_check_decode_only.log" | cut -c1-400 | tee -a "$summary"
+}
+
 part_bench() {
   local secs=$(($(left) - 5))
   step bench_decode "$secs" python $here/bench_decode.py --out "$OUT" --budget $((secs - 20))
@@ -106,13 +117,14 @@ environment
 case $part in
   check) part_check ;;
   smoke) smoke ;;
+  decode-only) part_decode_only ;;
   bench) part_bench ;;
   all)
     part_check
     t0_part=$SECONDS
     part_bench
     ;;
-  *) echo "usage: $0 [check|smoke|bench|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|smoke|decode-only|bench|all]" >&2; exit 2 ;;
 esac
 echo "==== summary ($OUT/summary.txt)"
 cat "$summary"

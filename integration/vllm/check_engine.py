@@ -8,6 +8,13 @@ greedy, 5 logprobs each. Requests stop after 8, 16 or 24 tokens, so the decode b
 sizes), each with padding. Every engine runs in its own subprocess (an engine's GPU memory is
 only reliably freed when its process ends), under a share of ``--budget`` seconds.
 
+Mode ``spec`` runs both backends with speculative decoding (vLLM's ``ngram`` proposer, 3
+draft tokens, default graphs): verification batches then reach attention with query lengths
+up to 4 beside single-token decodes. Each leaf prompt ends with a repeat of 8 tokens from
+earlier in the prompt, so the proposer drafts from the first decode step on. Both backends
+run the same speculative scheme; the check passes only if CUSTOM's engine counted draft
+tokens (vLLM's ``spec_decode`` metrics), so batches with longer queries did run.
+
 Each engine's worker reports (through ``collective_rpc``) the CUDA graph mode vLLM resolved
 and, for CUSTOM, its builders' state: with graphs on, CUSTOM passes only if vLLM kept full
 decode graphs and the backend's attention was captured in them (``captured_generation`` set).
@@ -19,7 +26,7 @@ flip the continuations differ), and the chosen tokens' logprobs agree within ``T
 logprob differences between two correct bf16 attention kernels (different summation orders)
 stay well below that, while a wrong mask, scale or page stays far above it.
 
-    python integration/vllm/check_engine.py [--out DIR] [--modes cudagraphs eager] [--budget S]
+    python integration/vllm/check_engine.py [--out DIR] [--modes cudagraphs eager spec] [--budget S]
 """
 
 from __future__ import annotations
@@ -56,8 +63,11 @@ def save_model(path: Path) -> None:
     model.save_pretrained(path)
 
 
-def prompts(seed: int = 0) -> list[list[int]]:
-    """Three-level forest: 2 roots of 700 tokens, 3 children of 300 each, 4 leaves of 1-90."""
+def prompts(seed: int = 0, echo: bool = False) -> list[list[int]]:
+    """Three-level forest: 2 roots of 700 tokens, 3 children of 300 each, 4 leaves of 1-90.
+
+    With ``echo`` each leaf ends with a copy of 8 tokens from earlier in its prompt, so an
+    n-gram proposer finds a match (and drafts the tokens that followed it) at once."""
     rng = random.Random(seed)
     out = []
     for _ in range(2):
@@ -65,8 +75,26 @@ def prompts(seed: int = 0) -> list[list[int]]:
         for _ in range(3):
             child = root + [rng.randrange(1, 8000) for _ in range(300)]
             for _ in range(4):
-                out.append(child + [rng.randrange(1, 8000) for _ in range(rng.randint(1, 90))])
+                leaf = child + [rng.randrange(1, 8000) for _ in range(rng.randint(1, 90))]
+                if echo:
+                    at = rng.randrange(0, len(leaf) - 16)
+                    leaf += leaf[at : at + 8]
+                out.append(leaf)
     out.append([rng.randrange(1, 8000) for _ in range(33)])  # shares nothing
+    return out
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}  # fmt: skip
+
+
+def spec_counts(llm: Any) -> dict[str, int]:
+    """vLLM's speculative-decoding counters of this engine (drafts, draft and accepted tokens)."""
+    out: dict[str, int] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value"):
+            key = m.name.removeprefix("vllm:spec_decode_")
+            out[key] = out.get(key, 0) + int(m.value)
     return out
 
 
@@ -123,21 +151,28 @@ def greedy_outputs(results: list[Any]) -> list[dict]:
     ]
 
 
-def generate(model: str, backend: str, eager: bool, ps: list[list[int]]) -> dict:
+def generate(model: str, backend: str, mode: str) -> dict:
     """One engine, in this process: greedy tokens and top-5 logprobs of every prompt."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     # collective_rpc with a function needs pickle-based serialization.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    extra: dict[str, Any] = {}
+    if mode == "spec":
+        extra = {"speculative_config": SPEC, "disable_log_stats": False}
     llm = LLM(
-        model=model, skip_tokenizer_init=True, attention_backend=backend, enforce_eager=eager,
-        gpu_memory_utilization=0.5, max_model_len=4096, seed=0,
+        model=model, skip_tokenizer_init=True, attention_backend=backend,
+        enforce_eager=mode == "eager", gpu_memory_utilization=0.5, max_model_len=4096, seed=0,
+        **extra,
     )  # fmt: skip
+    ps = prompts(echo=mode == "spec")
     sp: dict[str, Any] = dict(temperature=0, logprobs=5, ignore_eos=True, detokenize=False)
     sps = [SamplingParams(max_tokens=8 + 8 * (i % 3), **sp) for i in range(len(ps))]
     out = greedy_outputs(llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps))
     info = llm.collective_rpc(worker_info)[0]
-    print(backend, "eager" if eager else "cudagraphs", json.dumps(info), flush=True)
+    if mode == "spec":
+        info["spec_decode"] = spec_counts(llm)
+    print(backend, mode, json.dumps(info), flush=True)
     return {"outputs": out, "info": info}
 
 
@@ -179,7 +214,7 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--modes", nargs="+", choices=["cudagraphs", "eager"],
+    ap.add_argument("--modes", nargs="+", choices=["cudagraphs", "eager", "spec"],
                     default=["cudagraphs", "eager"])  # fmt: skip
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all engine runs")
     ap.add_argument("--one", nargs=2, metavar=("BACKEND", "MODE"), help=argparse.SUPPRESS)
@@ -188,7 +223,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         backend, mode = args.one
-        data = generate(args.model, backend, mode == "eager", prompts())
+        data = generate(args.model, backend, mode)
         (args.out / f"vllm_check_{backend}_{mode}.json").write_text(json.dumps(data))
         return
 
@@ -222,6 +257,12 @@ def main() -> None:
                 if not result["custom_full_decode_graphs"]:
                     result["ok"] = False
                     result.setdefault("why", "CUSTOM ran without full decode CUDA graphs")
+            if mode == "spec" and "error" not in got:
+                counts = got["info"].get("spec_decode", {})
+                result["custom_spec_decode"] = counts
+                if not counts.get("num_draft_tokens"):
+                    result["ok"] = False
+                    result.setdefault("why", f"CUSTOM's engine drafted no tokens: {counts}")
             summary[mode] = result
             print(mode, json.dumps(result), flush=True)
             (args.out / "vllm_check_engine.json").write_text(json.dumps(summary, indent=1))

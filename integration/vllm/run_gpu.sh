@@ -15,7 +15,8 @@
 #   env -u PYTHONPATH pip install -q --no-build-isolation --no-deps --target /tmp/site .
 # Env: OUT (logs and JSON, default /tmp/vllm-gpu), SITE, BUDGET (seconds for the selected parts,
 # default 540: shared check 5 : serve 2 : bench 5), BENCH_ARGS (extra bench_decode.py arguments,
-# e.g. "--batches 64 256" or "--backends CUSTOM FLASH_ATTN").
+# e.g. "--batches 64 256" or "--backends CUSTOM FLASH_ATTN"), CHECK_ARGS (extra check_engine.py
+# arguments, e.g. "--modes spec" for speculative decoding).
 # Every part runs in its own process group under its share of BUDGET and is killed with all its
 # processes (vLLM engine cores included) when it runs over. A summary table ends the output.
 set -uo pipefail
@@ -97,7 +98,9 @@ for p in "${parts[@]}"; do
   fi
   case $p in
     check)
-      run_part check "$b" python3 integration/vllm/check_engine.py --out "$OUT" --budget $((b - 25))
+      # shellcheck disable=SC2086
+      run_part check "$b" python3 integration/vllm/check_engine.py --out "$OUT" --budget $((b - 25)) \
+        ${CHECK_ARGS:-}
       ;;
     serve)
       model="$OUT/tiny-llama"
