@@ -321,9 +321,8 @@ void items_memory(const Forest& f, const PlanParams& p, const std::vector<int64_
   items.members = f.order.data();
   const int64_t ps = f.page_size;
   const int64_t g = p.num_qo_heads / p.num_kv_heads;
-  // A partial row: o in the cache dtype and an fp32 log-sum-exp, written once and read once.
-  const int64_t partial_per_token = p.num_qo_heads * (p.head_dim * p.elem_bytes + 4) * 2;
-  const int64_t kv_per_position = 2 * p.num_kv_heads * p.head_dim * p.elem_bytes;
+  const int64_t partial_per_token = p.partial_bytes(1);
+  const int64_t kv_per_position = p.kv_bytes(1);
   const int64_t num_nodes = f.num_nodes();
   const int64_t n = static_cast<int64_t>(f.order.size());
   std::vector<int64_t> csum(n + 1, 0);
@@ -760,8 +759,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   out.merge_partials.resize(num_partials);
   std::iota(out.merge_partials.begin(), out.merge_partials.end(), 0);
 
-  out.kv_bytes = total_len * 2 * p.num_kv_heads * p.head_dim * p.elem_bytes;
-  out.partial_bytes = num_partials * p.num_qo_heads * (p.head_dim * p.elem_bytes + 4) * 2;
+  out.kv_bytes = p.kv_bytes(total_len);
+  out.partial_bytes = p.partial_bytes(num_partials);
   out.num_partials = num_partials;
 }
 

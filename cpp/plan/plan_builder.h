@@ -42,6 +42,13 @@ struct PlanParams {
   int64_t num_kv_heads = 1;
   int64_t head_dim = 128;
   int64_t elem_bytes = 2;
+  // K and V bytes of `tokens` KV positions (packer.BatchShape.kv_bytes).
+  int64_t kv_bytes(int64_t tokens) const { return tokens * 2 * num_kv_heads * head_dim * elem_bytes; }
+  // A partial row's o (cache dtype) and fp32 log-sum-exp for `rows` rows, written once and read
+  // once (packer.BatchShape.partial_bytes).
+  int64_t partial_bytes(int64_t rows) const {
+    return rows * num_qo_heads * (head_dim * elem_bytes + 4) * 2;
+  }
   // Tile table (tiles.TileTable): ascending m sizes; n_by_kv_len as two parallel arrays.
   std::vector<int64_t> m_sizes;
   std::vector<int64_t> n_bounds;
