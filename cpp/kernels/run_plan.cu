@@ -148,8 +148,8 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
                             forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream, chained);
       case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
-      default: return launch<forward_wgmma_kernel<T, D, 5>>(256, forward_wgmma_smem_bytes<D, 5>(),
-                                                             p, pairs, stream, chained);
+      default: return launch<forward_wgmma_kernel<T, D, 6>>(
+                            kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);
     }
   } else {
     // CUDA cores (head_dim 256): 8 warps, ROWS_PER_WARP = rows / 8; at most 64 rows.

@@ -1,9 +1,15 @@
 // Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3), head_dim 64 and 128.
-// Torch-free, sm_90a only. Same plan, pairs and pipeline as forward_mma_kernel
-// (decode_kernels.cuh); only the layout of a KV stage and the math differ.
+// Torch-free, sm_90a only. Same plan and pairs as forward_mma_kernel (decode_kernels.cuh); the
+// block is warp-specialized.
 //
-// Block: 256 threads = 2 warpgroups of 64 query rows (warp w owns rows 16 w .. 16 w + 15, as in
-// the 8-warp mma.sync kernel). Per 64-key tile and warpgroup:
+// Block: 384 threads. Warpgroup 0 is the producer: it streams the KV tiles of the block's pairs
+// into STAGES shared-memory stages with cp.async (the page-table walk and all copy addressing
+// live there) and signals each stage through an mbarrier ("full") once its copies have landed
+// and been fenced for the async proxy. Warpgroups 1 and 2 are consumers of 64 query rows each
+// (warp w owns rows 16 (w - 4) .. + 15, as in the 8-warp mma.sync kernel); each warp releases a
+// stage through a second mbarrier ("empty") after its last read of it. There is no block-wide
+// barrier per tile, so the two consumer warpgroups drift apart and one's softmax overlaps the
+// other's tensor-core work. Per 64-key tile and consumer warpgroup:
 //   S = Q K^T : D / 16 x wgmma.m64n64k16, q as the register A operand, K from shared memory;
 //   online softmax on S in registers (the accumulator layout of one n8 block equals the
 //   mma.sync C fragment, so the softmax is the one of the mma.sync kernel);
@@ -15,9 +21,8 @@
 // of address bits 4-6 by bits 7-9 matches). The same bytes serve as a K-major operand for K
 // (a k16 step is a 32-byte column of an atom; stride byte offset 1024 between 8-key groups) and
 // as an MN-major operand for V (k16 = two 8-key groups, stride byte offset 1024; leading byte
-// offset 8192 between the 64-dim atoms along n). The copies stay cp.async (16 bytes per thread;
-// eight consecutive threads fill one 128-byte row, conflict-free), followed by
-// fence.proxy.async so the warpgroup MMAs, which read through the async proxy, see them.
+// offset 8192 between the 64-dim atoms along n). Copies are 16 bytes per producer thread; eight
+// consecutive threads fill one 128-byte row, conflict-free.
 #pragma once
 
 #include "prefixattn/decode_kernels.cuh"
@@ -119,6 +124,43 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem, uint32_t l
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// mbarrier phases (shared::cta): init, plain arrive, and a wait on the phase of a given parity.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed (for a fresh barrier, parity 1 names
+// the phase before its first, which counts as completed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  const uint32_t addr = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Warpgroup register budgets of the warp-specialized kernel (setmaxnreg: all warps of the
+// warpgroup execute it).
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 }  // namespace detail
 
 template <int D, int STAGES>
@@ -126,71 +168,106 @@ constexpr int forward_wgmma_smem_bytes() {
   // K and V tiles per stage, no padding, and up to 1024 bytes to align the first atom.
   return STAGES * 2 * detail::kTileN * D * 2 + 1024;
 }
+// One producer warpgroup and two consumer warpgroups. The launch allocates 168 registers per
+// thread (384 x 168 = 64512); the producer gives back down to 56 and the consumers take up to
+// 224 (128 x 56 + 256 x 224 = 64512), so setmaxnreg.inc never waits on registers no one frees.
+constexpr int kWgmmaThreads = 384;
 
 template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardParams p) {
+__global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
-  constexpr int kThreadsW = 256;
+  static_assert(STAGES >= 3, "a consumer holds two stages while the producer fills the next");
+  constexpr int kProducerThreads = 128;
+  constexpr int kConsumerWarps = 8;
   constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
   constexpr int kKC = D / 16;               // k16 steps of q.k
   constexpr int kTileElems = kTileN * D;    // one K or V tile
   constexpr int kAtomElems = kTileN * 64;   // one [64 keys][64 dims] atom
   static_assert(kTileN == 64, "the swizzle atoms hold 64 keys");
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  // full[s]: stage s holds its tile (one arrival per producer thread, after its copies landed).
+  // empty[s]: stage s may be refilled (one arrival per consumer warp, after its last read).
+  __shared__ uint64_t full_bar[STAGES], empty_bar[STAGES];
   // Stage s: K tile then V tile, [STAGES][2][D / 64][kTileN][64] in the swizzled layout above.
-  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  T* const kv_s = reinterpret_cast<T*>(smem_raw + ((1024 - (raw_addr & 1023)) & 1023));
+  T* const kv_s = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   auto k_stage = [&](int st) { return kv_s + st * 2 * kTileElems; };
   auto v_stage = [&](int st) { return kv_s + (st * 2 + 1) * kTileElems; };
 
   const WorkRange range(p);
   if (static_cast<int>(blockIdx.x) >= range.total) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2;
-  const int qc = 2 * (lane % 4);
-
-  // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep, into
-  // the swizzled layout (eight consecutive threads fill one 128-byte row).
-  constexpr int kLdStep = kThreadsW / kChunks;
-  constexpr int kLdRows = kTileN / kLdStep;
-  KvCopier<T, kLdRows, kTileN> cp;  // both warpgroups compute every key of a tile
-  cp.row0 = tid / kChunks;
-  cp.step = kLdStep;
-  cp.col = (tid % kChunks) * 8;
-  // kLdStep is a multiple of 8, so the swizzle of a thread's rows is the same for all of them.
-  static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
-  {
-    const int ch = tid % kChunks;
-    cp.dst0 = (ch >> 3) * kAtomElems + cp.row0 * 64 + (((ch & 7) ^ (cp.row0 & 7)) << 3);
-    cp.dst_step = kLdStep * 64;
+  if (tid < STAGES) {
+    mbar_init(&full_bar[tid], kProducerThreads);
+    mbar_init(&empty_bar[tid], kConsumerWarps);
   }
-  cp.start(p, range);
-  auto issue_next = [&]() {
-    cp.template issue<D, STAGES, kThreadsW>(p, range, k_stage(0), v_stage(0), 2 * kTileElems);
-  };
-  static_assert(STAGES >= 3, "two stages are in use while the copies run ahead");
-#pragma unroll
-  for (int s = 0; s < STAGES - 2; ++s) issue_next();
+  __syncthreads();
 
-  // ---- math
+  if (warp < 4) {
+    // ---- producer warpgroup: streams the block's KV tiles into the stages. Thread tid copies
+    // chunk tid % kChunks of keys tid / kChunks + i kLdStep into the swizzled layout (eight
+    // consecutive threads fill one 128-byte row). A tile is signalled full once the thread's
+    // copies of it have landed and been fenced for the async proxy; meanwhile the next tile's
+    // copies are in flight.
+    regs_dec<56>();
+    constexpr int kLdStep = kProducerThreads / kChunks;
+    constexpr int kLdRows = kTileN / kLdStep;
+    static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
+    KvCopier<T, kLdRows, kTileN> cp;  // both consumer warpgroups compute every key of a tile
+    cp.row0 = tid / kChunks;
+    cp.step = kLdStep;
+    cp.col = (tid % kChunks) * 8;
+    {
+      const int ch = tid % kChunks;
+      cp.dst0 = (ch >> 3) * kAtomElems + cp.row0 * 64 + (((ch & 7) ^ (cp.row0 & 7)) << 3);
+      cp.dst_step = kLdStep * 64;
+    }
+    cp.start(p, range);
+    int phase = 0, landing = -1;  // `landing`: the stage whose copies are in flight
+    while (!cp.done) {
+      const int st = cp.stage;
+      mbar_wait(&empty_bar[st], phase ^ 1);
+      cp.template issue<D, STAGES, kProducerThreads>(p, range, k_stage(0), v_stage(0),
+                                                     2 * kTileElems);
+      if (landing >= 0) {
+        cp_async_wait<1>();
+        fence_proxy_async_smem();
+        mbar_arrive(&full_bar[landing]);
+      }
+      landing = st;
+      if (cp.stage == 0) phase ^= 1;
+    }
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    mbar_arrive(&full_bar[landing]);
+    return;
+  }
+
+  // ---- consumer warpgroups: warp cw owns rows 16 cw .. 16 cw + 15 of the pair's tile.
+  regs_inc<224>();
+  const int cw = warp - 4;
+  const int wg = cw >> 2;
+  const int qc = 2 * (lane % 4);
+  const int r0 = cw * 16 + lane / 4;
   // The next pair's descriptor is fetched when a pair starts, its row slots when the pair's
   // tiles are done.
-  const int r0 = warp * 16 + lane / 4;
   PairDesc cur, nxt;
   RowSlots rs, nrs;
   PairPos npos = range.first();  // the pair after the current one, once advanced
   cur.load(p, range, npos);
   rs.load(p, cur, r0);
   uint32_t qa[kKC][4];
-  int stage = 0;
+  int stage = 0, phase = 0;
+  auto release = [&](int st) {  // this warp is done reading stage st
+    if (lane == 0) mbar_arrive(&empty_bar[st]);
+  };
   for (int w = blockIdx.x; w < range.total; w += gridDim.x) {
     if (w != static_cast<int>(blockIdx.x)) {
       cur = nxt;
       rs = nrs;
     }
-    load_q_frags<T, kKC>(p, cur, rs, warp, qa);
+    load_q_frags<T, kKC>(p, cur, rs, cw, qa);
     const int lim0 = rs.limit(cur, 0), lim1 = rs.limit(cur, 1);
     range.advance(npos);
     const bool has_next = npos.w < range.total;
@@ -205,10 +282,9 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
 
     // Tile t: S(t) = Q K(t)^T is issued, then P(t-1) V(t-1), kept from the previous tile, so
     // the softmax of tile t runs while the tensor cores do P(t-1) V(t-1); O is rescaled once
-    // that product has landed. The copies run STAGES - 2 tiles ahead, so the stage of tile
-    // t - 1 stays intact until its P V is done. Every tile issues both products (the first one
-    // P = 0 against its own, landed, V), so no wgmma sits on a divergent path, which would
-    // make the compiler serialize them.
+    // that product has landed, and only then is the stage of tile t - 1 released. Every tile
+    // issues both products (the first one P = 0 against its own, landed, V), so no wgmma sits
+    // on a divergent path, which would make the compiler serialize them.
     // P(t-1) as A fragments: keys 16 kc .. are the n8 blocks 2 kc and 2 kc + 1.
     uint32_t pa[kTileN / 16][4];
 #pragma unroll
@@ -222,11 +298,9 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
       wgmma_commit();
     };
     for (int tile = 0; tile < num_tiles; ++tile) {
-      cp_async_wait<STAGES - 3>();
-      fence_proxy_async_smem();
-      __syncthreads();  // this tile landed for everyone; the stage two tiles back is free
-      issue_next();
+      mbar_wait(&full_bar[stage], phase);
       if (wg_active) {
+        fence_proxy_async_smem();
         const int base = tile * kTileN;
         float s[kTileN / 2];
         const T* kt = k_stage(stage);
@@ -290,6 +364,7 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
         l1 = l1 * al1 + ps1;
         wgmma_wait<0>();
         pin_registers(o);
+        if (tile > 0) release(pv_stage);  // P(t-1) V(t-1) was its last read
 #pragma unroll
         for (int db = 0; db < D / 8; ++db) {
           o[4 * db + 0] *= al0;
@@ -305,22 +380,26 @@ __global__ void __launch_bounds__(256, 1) forward_wgmma_kernel(const ForwardPara
           pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
         }
         pv_stage = stage;
+      } else {
+        release(stage);  // a warpgroup without rows reads nothing
       }
-      if (tile + 1 < num_tiles) stage = stage + 1 == STAGES ? 0 : stage + 1;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
     if (wg_active) {  // the pair's last P V
       wgmma_fence();
       issue_pv();
       wgmma_wait<0>();
       pin_registers(o);
+      release(pv_stage);
     }
     if (has_next) nrs.load(p, nxt, r0);
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
 
-    if (warp * 16 < num_rows)
+    if (cw * 16 < num_rows)
       store_rows<T, D>(p, lane, rs, num_rows, r0, o, m0, m1, l0, l1);
   }
-  cp_async_wait<0>();
 }
 
 }  // namespace prefixattn
