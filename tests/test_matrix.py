@@ -57,7 +57,9 @@ def test_dry_run(m, capsys) -> None:  # type: ignore[no-untyped-def]
     out = capsys.readouterr().out
     assert "skip: the custom engine example has no CUDA graph mode" in out
     assert "skip: the custom engine example runs on one GPU" in out
-    assert "4 cells" in out
+    assert "skip: speculative decoding cells run on vLLM" in out
+    assert "skip: a separate decode backend is SGLang's" in out
+    assert "12 cells" in out  # graphs x tp x mode
 
 
 def test_unsupported(m) -> None:  # type: ignore[no-untyped-def]
@@ -156,8 +158,8 @@ def test_markdown(m, tmp_path, no_out) -> None:  # type: ignore[no-untyped-def]
     text = m.markdown(results, meta)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 5
-    assert rows[1].split(" | ")[7:13] == ["pass", "0.0123", "300", "1.50", "3.00", "2.00"]
-    assert rows[2].split(" | ")[7:9] == ["fail", "-"]
+    assert rows[1].split(" | ")[7:14] == ["plain", "pass", "0.0123", "300", "1.50", "3.00", "2.00"]
+    assert rows[2].split(" | ")[8:10] == ["fail", "-"]
     assert "token mismatch / at 3" in rows[2] and rows[2].count("|") == rows[0].count("|")
     assert "**Summary: 4 cells: 1 pass, 1 fail, 1 timeout, 1 skip.**" in text
     md, js = tmp_path / "x" / "m.md", tmp_path / "y" / "m.json"
@@ -220,6 +222,49 @@ def test_workloads(m) -> None:  # type: ignore[no-untyped-def]
     assert m.make_requests("mixed")["knobs"] == {"chunk": 256}
     assert m.make_requests("arrivals")["knobs"] == {"max_seqs": 8}
     assert m.make_requests("forest")["warm"] and not m.make_requests("none")["warm"]
+
+
+def test_modes(m) -> None:  # type: ignore[no-untyped-def]
+    c = m.Cell
+    plain = c("vllm", "32/8", 128, "shared1", "on", 1)
+    spec = c("vllm", "32/8", 128, "shared1", "on", 1, "spec")
+    hybrid = c("sglang", "32/8", 128, "shared1", "on", 1, "decode-only")
+    # Ids of plain cells are those of reports written before the mode axis.
+    assert plain.id == "vllm-h32x8-d128-shared1-gon-tp1" and plain.mode == "plain"
+    assert spec.id == plain.id + "-spec" and hybrid.id.endswith("-tp1-decode-only")
+    assert m.unsupported(spec) is None and m.unsupported(hybrid) is None
+    assert "vLLM" in m.unsupported(c("sglang", "32/8", 128, "shared1", "on", 1, "spec"))
+    assert "SGLang" in m.unsupported(c("vllm", "32/8", 128, "shared1", "on", 1, "decode-only"))
+    assert "vLLM" in m.unsupported(c("custom", "32/8", 128, "shared1", "off", 1, "spec"))
+    assert m.our_backend(spec) == "CUSTOM" and m.default_backend(spec) == "FLASH_ATTN"
+    # The hybrid label is the one SGLang's engine check turns into backend arguments.
+    args = m.sglang_check().backend_args(m.our_backend(hybrid))
+    assert args == {"attention_backend": "triton", "prefill_attention_backend": "triton",
+                    "decode_attention_backend": "prefixattn"}  # fmt: skip
+    assert m.sglang_check().backend_args(m.default_backend(hybrid)) == {
+        "attention_backend": "triton"
+    }
+    # Speculative cells' prompts end with one of their own earlier 8-grams.
+    for w in m.AXES["workload"]:
+        base, echo = m.make_requests(w), m.make_requests(w, echo=True)
+        assert echo["warm"] == base["warm"] and echo["max_new"] == base["max_new"]
+        for p, q in zip(base["prompts"], echo["prompts"], strict=True):
+            assert q[: len(p)] == p and len(q) == len(p) + 8
+            tail = q[-8:]
+            assert any(p[i : i + 8] == tail for i in range(len(p) - 7))
+
+
+def test_judge_spec_needs_drafts(m, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    cell = m.Cell("vllm", "32/8", 128, "shared1", "off", 1, "spec")
+    outputs = [{"tokens": [1, 2], "logprobs": [[(1, -0.1), (5, -3.0)], [(2, -0.2), (7, -2.0)]]}]
+    ref = {"outputs": outputs, "step_ms": 2.0}
+    drafted = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 4}
+    r = m.judge(cell, ref, {**ref, "info": {"spec_decode": drafted}})
+    assert r["status"] == "pass" and r["spec_decode"] == drafted
+    r = m.judge(cell, ref, {**ref, "info": {"spec_decode": {"num_draft_tokens": 0}}})
+    assert r["status"] == "fail" and "drafted no tokens" in r["why"]
+    r = m.judge(cell, ref, {**ref, "info": {}})
+    assert r["status"] == "fail"
 
 
 def test_judge_errors(m) -> None:  # type: ignore[no-untyped-def]

@@ -2,7 +2,11 @@
 ``docs/results/matrix.md`` and ``docs/results/matrix.json``.
 
 A cell is one value of each axis (``AXES``): engine (vLLM, SGLang, the custom engine example),
-head config (query/KV heads) and head_dim, workload, CUDA graphs on/off, tensor parallel size.
+head config (query/KV heads) and head_dim, workload, CUDA graphs on/off, tensor parallel size,
+and mode: ``plain``; ``spec``, speculative decoding (vLLM's ``ngram`` proposer, both backends;
+each prompt ends with an earlier 8-gram so drafting starts at once, and prefixattn's engine must
+have drafted tokens); ``decode-only``, prefixattn as SGLang's decode backend beside the
+reference backend for prefill (``--decode-attention-backend``).
 Every cell runs the same engine twice, each run in its own subprocess (own process group,
 killed on timeout): once with the engine's default attention backend (vLLM: ``FLASH_ATTN``;
 SGLang: ``triton`` or ``flashinfer``, ``--sglang-reference``; custom engine: dense attention
@@ -64,6 +68,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     "workload": ("none", "shared1", "multilevel", "forest", "parallel", "mixed", "arrivals"),
     "graphs": ("on", "off"),
     "tp": (1, 2),
+    "mode": ("plain", "spec", "decode-only"),
+}
+MODES = {
+    "plain": "prefixattn for every batch",
+    "spec": "speculative decoding, ngram proposer with 3 draft tokens (vLLM)",
+    "decode-only": "prefixattn for decode batches, the reference backend for prefill (SGLang)",
 }
 DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "triton", "custom": "dense"}
 OUR_BACKEND = {"vllm": "CUSTOM", "sglang": "prefixattn", "custom": "prefixattn"}
@@ -109,11 +119,14 @@ class Cell:
     workload: str
     graphs: str  # "on" | "off"
     tp: int
+    mode: str = "plain"
 
     @property
     def id(self) -> str:
         h = self.heads.replace("/", "x")
-        return f"{self.engine}-h{h}-d{self.head_dim}-{self.workload}-g{self.graphs}-tp{self.tp}"
+        mode = "" if self.mode == "plain" else f"-{self.mode}"
+        return (f"{self.engine}-h{h}-d{self.head_dim}-{self.workload}-g{self.graphs}"
+                f"-tp{self.tp}{mode}")  # fmt: skip
 
     @property
     def num_qo_heads(self) -> int:
@@ -127,8 +140,9 @@ class Cell:
         return ESTIMATE_S[(self.engine, self.graphs)] + (TP_EXTRA_S if self.tp > 1 else 0)
 
 
-def _c(engine: str, heads: str, d: int, workload: str, graphs: str, tp: int = 1) -> Cell:
-    return Cell(engine, heads, d, workload, graphs, tp)
+def _c(engine: str, heads: str, d: int, workload: str, graphs: str, tp: int = 1,
+       mode: str = "plain") -> Cell:  # fmt: skip
+    return Cell(engine, heads, d, workload, graphs, tp, mode)
 
 
 # A small covering set: every value of every axis appears in at least one cell that the
@@ -142,11 +156,13 @@ SMOKE: tuple[Cell, ...] = (
     _c("vllm", "32/8", 64, "mixed", "on"),
     _c("vllm", "32/8", 128, "arrivals", "off"),
     _c("vllm", "32/8", 128, "multilevel", "on", tp=2),
+    _c("vllm", "28/4", 64, "multilevel", "on", mode="spec"),
     _c("sglang", "32/8", 128, "shared1", "on"),
     _c("sglang", "28/4", 64, "multilevel", "off"),
     _c("sglang", "64/8", 128, "forest", "on"),
     _c("sglang", "32/32", 128, "mixed", "on"),
     _c("sglang", "32/8", 128, "arrivals", "on", tp=2),
+    _c("sglang", "64/8", 64, "parallel", "on", mode="decode-only"),
     _c("custom", "32/8", 128, "multilevel", "off"),
     _c("custom", "28/4", 64, "parallel", "off"),
     _c("custom", "64/8", 64, "arrivals", "off"),
@@ -192,6 +208,10 @@ def unsupported(cell: Cell) -> str | None:
         return "the custom engine example has no CUDA graph mode"
     if cell.engine == "custom" and cell.tp > 1:
         return "the custom engine example runs on one GPU (no tensor parallelism)"
+    if cell.mode == "spec" and cell.engine != "vllm":
+        return "speculative decoding cells run on vLLM (its ngram proposer)"
+    if cell.mode == "decode-only" and cell.engine != "sglang":
+        return "a separate decode backend is SGLang's (--decode-attention-backend)"
     if hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} KV heads"
     if hq // hkv > 16:
@@ -245,10 +265,11 @@ def skip_reason(cell: Cell, gpus: int) -> str | None:
 # --- prompts ---------------------------------------------------------------------------------
 
 
-def make_requests(workload: str, seed: int = 0) -> dict[str, Any]:
+def make_requests(workload: str, seed: int = 0, echo: bool = False) -> dict[str, Any]:
     """Engine-neutral requests of a workload: ``warm`` (prefixes put in the prefix cache
     first by vLLM and SGLang), ``prompts``, ``max_new`` and ``arrival`` (custom engine's
-    arrival step) per prompt, ``knobs`` (engine settings)."""
+    arrival step) per prompt, ``knobs`` (engine settings). With ``echo`` every prompt ends with
+    a copy of 8 of its earlier tokens, so an n-gram proposer drafts from the first step."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
@@ -292,6 +313,9 @@ def make_requests(workload: str, seed: int = 0) -> dict[str, Any]:
         arrival = [2 * i for i in range(24)]
     else:
         raise ValueError(f"unknown workload {workload!r}")
+    if echo:
+        starts = [rng.randrange(0, max(1, len(p) - 16)) for p in prompts]
+        prompts = [p + p[at : at + 8] for p, at in zip(prompts, starts, strict=True)]
     if not max_new:
         max_new = [8 + 8 * (i % 3) for i in range(len(prompts))]
     if not arrival:
@@ -303,14 +327,14 @@ def make_requests(workload: str, seed: int = 0) -> dict[str, Any]:
 
 def describe(cell: Cell) -> str:
     """What a cell would run (``--dry-run``)."""
-    req = make_requests(cell.workload)
+    req = make_requests(cell.workload, echo=cell.mode == "spec")
     knobs = ", ".join(f"{k}={v}" for k, v in req["knobs"].items()) or "engine defaults"
     model = (f"Llama {MODEL_SHAPE['layers']} layers, hidden {hidden_size(cell.num_qo_heads)}, "
              f"{cell.num_qo_heads}/{cell.num_kv_heads} heads, head_dim {cell.head_dim}")  # fmt: skip
     return (
-        f"{cell.engine}: {OUR_BACKEND[cell.engine]} vs {default_backend(cell)}; {model}; "
+        f"{cell.engine}: {our_backend(cell)} vs {default_backend(cell)}; {model}; "
         f"{len(req['prompts'])} requests ({WORKLOADS[cell.workload]}); {knobs}; "
-        f"CUDA graphs {cell.graphs}; tensor parallel {cell.tp}"
+        f"CUDA graphs {cell.graphs}; tensor parallel {cell.tp}; {MODES[cell.mode]}"
     )
 
 
@@ -319,6 +343,14 @@ _SGLANG_REFERENCE = ["triton"]
 
 def default_backend(cell: Cell) -> str:
     return _SGLANG_REFERENCE[0] if cell.engine == "sglang" else DEFAULT_BACKEND[cell.engine]
+
+
+def our_backend(cell: Cell) -> str:
+    """prefixattn's label in the cell's engine; in a ``decode-only`` cell SGLang's hybrid
+    backend (``engine_check.backend_args`` reads the label)."""
+    if cell.mode == "decode-only":
+        return default_backend(cell) + "-prefill-prefixattn-decode"
+    return OUR_BACKEND[cell.engine]
 
 
 # --- engine runs (each in its own subprocess) -----------------------------------------------
@@ -398,13 +430,17 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
         os.environ["VLLM_ALLREDUCE_USE_FLASHINFER"] = "0"
         kwargs["disable_custom_all_reduce"] = True
         compilation["pass_config"] = {"fuse_allreduce_rms": False}
-    if cell.graphs == "on":
+    if cell.graphs == "on" and cell.mode != "spec":
+        # Token counts of the captured graphs; with speculative decoding vLLM's defaults,
+        # which it fits to its uniform batches of 1 + num_speculative_tokens per request.
         sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 64) if s <= max_seqs]
         compilation["cudagraph_capture_sizes"] = sizes
     if compilation:
         kwargs["compilation_config"] = compilation
     if "chunk" in req["knobs"]:
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=req["knobs"]["chunk"])
+    if cell.mode == "spec":
+        kwargs.update(speculative_config=dict(ce.SPEC), disable_log_stats=False)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = round(time.perf_counter() - t0, 1)
@@ -416,6 +452,8 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
     sps = [SamplingParams(max_tokens=n, logprobs=5, **sp) for n in req["max_new"]]
     outputs = ce.greedy_outputs(llm.generate(prompts, sps, use_tqdm=False))
     info = llm.collective_rpc(ce.worker_info)[0]
+    if cell.mode == "spec":
+        info["spec_decode"] = ce.spec_counts(llm)
 
     def timed(n: int) -> float:
         t = time.perf_counter()
@@ -432,7 +470,7 @@ def run_sglang(cell: Cell, backend: str, model: str, req: dict) -> dict:
     import sglang as sgl
 
     kwargs: dict[str, Any] = dict(
-        model_path=model, skip_tokenizer_init=True, attention_backend=backend,
+        model_path=model, skip_tokenizer_init=True, **sglang_check().backend_args(backend),
         disable_cuda_graph=cell.graphs == "off", cuda_graph_max_bs_decode=32,
         mem_fraction_static=0.5, context_length=4096,
         max_running_requests=req["knobs"].get("max_seqs", 64), random_seed=0, log_level="info",
@@ -584,7 +622,7 @@ def engine_run(cell: Cell, backend: str, models: Path) -> dict:
     """One backend of one cell, in this process (the ``--engine-run`` subprocess)."""
     if backend == MAKE_MODEL:
         return {"model": ensure_model(cell, models)}
-    req = make_requests(cell.workload)
+    req = make_requests(cell.workload, echo=cell.mode == "spec")
     if cell.engine == "custom":
         return run_custom(cell, backend, req)
     model = ensure_model(cell, models)
@@ -646,6 +684,10 @@ def judge(cell: Cell, ref: dict, got: dict) -> dict:
         out["full_decode_graphs"] = check_engine().full_decode_graphs(got.get("info", {}))
         if not out["full_decode_graphs"]:
             ok, why = False, "CUSTOM ran without full decode CUDA graphs"
+    if cell.mode == "spec":
+        out["spec_decode"] = got.get("info", {}).get("spec_decode", {})
+        if ok and not out["spec_decode"].get("num_draft_tokens"):
+            ok, why = False, f"CUSTOM's engine drafted no tokens: {out['spec_decode']}"
     if cell.engine == "sglang" and "log" in got:
         steps = sglang_check().decode_steps(Path(got["log"]))
         out["decode_steps"] = steps
@@ -673,7 +715,7 @@ def run_cell(cell: Cell, work: Path, models: Path, timeout: float) -> dict:
     # graphs on: ~95 s after graph capture, cached on disk afterwards): it gets the larger share.
     ref = run_subprocess(cell, default_backend(cell), work, models,
                          (deadline - time.monotonic()) * 0.6)  # fmt: skip
-    got = run_subprocess(cell, OUR_BACKEND[cell.engine], work, models,
+    got = run_subprocess(cell, our_backend(cell), work, models,
                          deadline - time.monotonic())  # fmt: skip
     return judge(cell, ref, got)
 
@@ -707,15 +749,15 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"engine's default backend (tolerance {meta.get('tol', '?')} nats, rule of "
         f"`integration/vllm/check_engine.py`); step time: decode step, ms.",
         "",
-        "| cell | engine | heads | head_dim | workload | graphs | tp | status "
+        "| cell | engine | heads | head_dim | workload | graphs | tp | mode | status "
         "| max logprob diff | tokens | step ms prefixattn | step ms default | speedup | why |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         why = str(r.get("why") or "").replace("|", "/").replace("\n", " ")
         lines.append(
             f"| {r['cell']} | {r['engine']} | {r['heads']} | {r['head_dim']} | {r['workload']} "
-            f"| {r['graphs']} | {r['tp']} | {r['status']} "
+            f"| {r['graphs']} | {r['tp']} | {r.get('mode', 'plain')} | {r['status']} "
             f"| {_num(r.get('max_logprob_diff'), '.4f')} | {_num(r.get('tokens'), 'd')} "
             f"| {_num(r.get('step_ms_backend'), '.2f')} | {_num(r.get('step_ms_default'), '.2f')} "
             f"| {_num(r.get('speedup'), '.2f')} | {why} |"
