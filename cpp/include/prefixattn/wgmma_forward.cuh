@@ -171,6 +171,9 @@ constexpr int forward_wgmma_smem_bytes() {
 // One producer warpgroup and two consumer warpgroups. The launch allocates 168 registers per
 // thread (384 x 168 = 64512); the producer gives back down to 56 and the consumers take up to
 // 224 (128 x 56 + 256 x 224 = 64512), so setmaxnreg.inc never waits on registers no one frees.
+// This relies on ptxas allocating the full 168 that __launch_bounds__(384, 1) allows (it does
+// for a kernel with setmaxnreg: `-Xptxas -v` reports 168); with fewer, setmaxnreg.inc would
+// wait forever, so check that line after changing the kernel's launch bounds or build flags.
 constexpr int kWgmmaThreads = 384;
 
 template <typename T, int D, int STAGES>
