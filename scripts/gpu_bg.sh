@@ -7,11 +7,12 @@
 #   bash scripts/gpu_bg.sh wait NAME [STEP] [SECONDS]
 #                                              # waits up to SECONDS (default 540) for STEP
 #                                              # (default: the run's end), prints the progress
-#                                              # log and packs /tmp/gpu-bg/NAME into $OUT/NAME.tgz
+#                                              # log and packs the run's folder into $OUT/NAME.tgz
 #   bash scripts/gpu_bg.sh status NAME
 #
-# Everything of run NAME lives in /tmp/gpu-bg/NAME: `progress.log` (CMD's output, with a
-# timestamped line per step), `steps/STEP` markers and `rc` (CMD's exit status, written last).
+# Everything of run NAME lives in $GPU_BG_ROOT/NAME (default /tmp/gpu-bg/NAME): `progress.log`
+# (CMD's output, with a timestamped line per step), `steps/STEP` markers and `rc` (CMD's exit
+# status, written last).
 # CMD sees BG_DIR (that folder), so its steps can write their logs and JSON there.
 # Model weights (*.safetensors, *.bin) are left out of the archive.
 #
@@ -22,10 +23,11 @@
 #   bash scripts/gpu_bg.sh wait k
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-root=/tmp/gpu-bg
+root=${GPU_BG_ROOT:-/tmp/gpu-bg}
 cmd=${1:-}
 name=${2:-}
-[[ -n $cmd && -n $name ]] || { sed -n '2,23p' "$0"; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; }
+[[ -n $cmd && -n $name ]] || { usage; exit 2; }
 dir=$root/$name
 
 case $cmd in
@@ -76,7 +78,7 @@ case $cmd in
     tail -n 20 "$dir/progress.log"
     ;;
   *)
-    sed -n '2,23p' "$0"
+    usage
     exit 2
     ;;
 esac
