@@ -314,8 +314,7 @@ def make_requests(workload: str, seed: int = 0, echo: bool = False) -> dict[str,
     else:
         raise ValueError(f"unknown workload {workload!r}")
     if echo:
-        starts = [rng.randrange(0, max(1, len(p) - 16)) for p in prompts]
-        prompts = [p + p[at : at + 8] for p, at in zip(prompts, starts, strict=True)]
+        prompts = [check_engine().with_echo(rng, p) for p in prompts]
     if not max_new:
         max_new = [8 + 8 * (i % 3) for i in range(len(prompts))]
     if not arrival:
@@ -686,8 +685,9 @@ def judge(cell: Cell, ref: dict, got: dict) -> dict:
             ok, why = False, "CUSTOM ran without full decode CUDA graphs"
     if cell.mode == "spec":
         out["spec_decode"] = got.get("info", {}).get("spec_decode", {})
-        if ok and not out["spec_decode"].get("num_draft_tokens"):
-            ok, why = False, f"CUSTOM's engine drafted no tokens: {out['spec_decode']}"
+        no_drafts = check_engine().no_drafts(out["spec_decode"])
+        if ok and no_drafts:
+            ok, why = False, no_drafts
     if cell.engine == "sglang" and "log" in got:
         steps = sglang_check().decode_steps(Path(got["log"]))
         out["decode_steps"] = steps
