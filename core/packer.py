@@ -56,6 +56,15 @@ MIN_SPLIT_TOKENS = 256
 # more than this many times its launch's KV tokens per SM (unsplit, that launch would leave
 # SMs idle for more than half of its time), into parts of at most 1 / SPLIT_SLACK of that.
 SPLIT_SLACK = 2
+# (item, KV head) pairs the leaf kernel (the 16-row tiles at head_dim <= 128) runs at once per
+# SM: 2 blocks of 4 warps, one pair per warp. The split rule counts the SMs that many times for
+# chunks of that height, so a launch of few long leaf pairs is cut until every warp has one.
+LEAF_PAIRS_PER_SM = 8
+
+
+def pairs_per_sm(m: int, head_dim: int) -> int:
+    """Pairs per SM that the split rule assumes for tile height ``m`` at ``head_dim``."""
+    return LEAF_PAIRS_PER_SM if m == 16 and head_dim <= 128 else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,11 +313,16 @@ def pack(
             height = np.minimum(np.searchsorted(m_sizes, chunk_rows), len(m_sizes) - 1)
             launch_len = np.zeros(len(m_sizes), dtype=np.int64)
             np.add.at(launch_len, height, chunk_len)
-            launch_share = shape.num_kv_heads * launch_len[height]  # x split_target
-            idle = chunk_len * split_target > SPLIT_SLACK * launch_share
-            balanced = -(-(SPLIT_SLACK * split_target * chunk_len) // np.maximum(launch_share, 1))
+            launch_share = shape.num_kv_heads * launch_len[height]  # x slots
+            per_sm = np.asarray([pairs_per_sm(int(m), shape.head_dim) for m in m_sizes])
+            slots = split_target * per_sm[height]
+            idle = chunk_len * slots > SPLIT_SLACK * launch_share
+            balanced = -(-(SPLIT_SLACK * slots * chunk_len) // np.maximum(launch_share, 1))
             floor_parts = np.maximum(chunk_len // MIN_SPLIT_TOKENS, 1)
-            parts = np.where(idle, np.minimum(np.minimum(parts, balanced), floor_parts), 1)
+            # Leaf chunks (one warp per pair) are cut by the balance alone, not by the split
+            # length: one long request would otherwise keep a single part.
+            cap = np.where(per_sm[height] > 1, chunk_pages, parts)
+            parts = np.where(idle, np.minimum(np.minimum(cap, balanced), floor_parts), 1)
     part_chunk = np.repeat(np.arange(n_chunks), parts)
     part_rank, _ = _segment_rank(part_chunk, n_chunks)
     pc, pp = chunk_pages[part_chunk], parts[part_chunk]

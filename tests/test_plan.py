@@ -382,14 +382,31 @@ def test_plan_counts_hold_packed_heads(heads, spec, expected):
     assert pa.plan(table, lens).counts.tolist()[PACKED_HEADS] == 1
 
 
-@pytest.mark.parametrize(("spec", "expected"), [("8_32768", 1), ("2_32768", 1), ("64_4096", 2)])
-def test_packed_heads_keep_small_batches_parallel(spec, expected):
-    """A few long requests without sharing keep one pair per KV head: packing their heads
-    would leave most SMs idle (8 requests x 8 KV heads = 64 pairs on 132 SMs)."""
-    from prefixattn.buffers import PACKED_HEADS
+@pytest.mark.parametrize("spec", ["1_32768", "2_32768", "8_32768", "64_4096"])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32)])
+def test_few_long_leaf_requests_fill_the_warps(spec, heads):
+    """A few long decode requests without sharing run in the leaf kernel, one warp per (item,
+    KV head) pair, 8 pairs per SM: their chunks are cut (whatever the mean node length, which
+    is the whole request here) until the launch holds at least half of 8 x 132 pairs, in
+    parts of at least MIN_SPLIT_TOKENS tokens. Packing of heads then follows packed_heads."""
+    from prefixattn.buffers import PACKED_HEADS, packed_heads
+    from prefixattn.packer import LEAF_PAIRS_PER_SM, MIN_SPLIT_TOKENS, SPLIT_SLACK
 
-    pa = PrefixAttention(32, 8, 128, 16)
+    hq, hkv = heads
+    pa = PrefixAttention(hq, hkv, 128, 16)
     pa.split_target = 132
     table, lens = tree_batch(spec, 16)
     plan = pa.plan(table, lens)
-    assert plan.counts.tolist()[PACKED_HEADS] == expected
+    h = plan.host
+    assert {m for m, _ in plan.tiles} == {16}
+    pairs = len(h.kv_len) * hkv
+    assert (
+        pairs >= LEAF_PAIRS_PER_SM * 132 // SPLIT_SLACK
+        or int(h.kv_len.max()) < 2 * MIN_SPLIT_TOKENS
+    )
+    assert int(h.kv_len.min()) >= MIN_SPLIT_TOKENS
+    assert plan.counts.tolist()[PACKED_HEADS] == packed_heads(hq // hkv, hkv, len(h.kv_len), 132)
+    # head_dim 256 runs its 16-row tiles on the CUDA-core kernel, one pair per SM: cut no more.
+    pa256 = PrefixAttention(hq, hkv, 256, 16)
+    pa256.split_target = 132
+    assert len(pa256.plan(table, lens).host.kv_len) <= len(h.kv_len)

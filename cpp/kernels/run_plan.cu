@@ -9,10 +9,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <utility>
 
 #include "prefixattn/decode_kernels.cuh"
+#include "prefixattn/leaf_forward.cuh"
 #include "prefixattn/wgmma_forward.cuh"
 
 namespace prefixattn {
@@ -132,6 +135,13 @@ void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream
   if (grid > 0) launch_kernel(kernel, grid, threads, smem, stream, chained, p);
 }
 
+// The leaf kernel runs the 16-row variant unless PREFIXATTN_LEAF_KERNEL is "0" (read per
+// call, so a benchmark can time both kernels in one process).
+bool leaf_kernel_enabled() {
+  const char* v = std::getenv("PREFIXATTN_LEAF_KERNEL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
@@ -142,7 +152,14 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
     // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
     constexpr int S = D <= 64 ? 4 : 3;
     switch (p.variant) {
-      case 0: return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
+      case 0:
+        // One warp per (item, KV head) pair (leaf_forward.cuh); PREFIXATTN_LEAF_KERNEL=0 runs
+        // the 16-row tile of forward_mma_kernel instead (key-split warps, packed heads).
+        if (leaf_kernel_enabled())
+          return launch<forward_leaf_kernel<T, D, D <= 64 ? 4 : 3>>(
+              kLeafWarps * 32, forward_leaf_smem_bytes<D, D <= 64 ? 4 : 3>(), p,
+              pairs < 0 ? -1 : (pairs + kLeafWarps - 1) / kLeafWarps, stream, chained);
+        return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
                             forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream, chained);
       case 1: return launch<forward_mma_kernel<T, D, 4, 2, S>>(128,
                             forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream, chained);

@@ -29,6 +29,13 @@ inline int64_t ceildiv(int64_t a, int64_t b) { return -floordiv(-a, b); }
 // core/packer.py MIN_SPLIT_TOKENS and SPLIT_SLACK.
 constexpr int64_t kMinSplitTokens = 256;
 constexpr int64_t kSplitSlack = 2;
+// Pairs per SM the split rule assumes for a tile height: the leaf kernel (16-row tiles at
+// head_dim <= 128) runs 8 at once (2 blocks of 4 warps, a pair per warp); core/packer.py
+// (pairs_per_sm) is the same rule.
+constexpr int64_t kLeafPairsPerSm = 8;
+inline int64_t pairs_per_sm(int64_t m, int64_t head_dim) {
+  return m == 16 && head_dim <= 128 ? kLeafPairsPerSm : 1;
+}
 
 inline uint32_t bswap32(uint32_t x) {
 #if defined(__GNUC__) || defined(__clang__)
@@ -579,12 +586,16 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
           std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages),
           1);
       if (p.split_target > 0) {
-        const int64_t share =  // x split_target
-            p.num_kv_heads * launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g)];
-        if (len * p.split_target > kSplitSlack * share) {
-          const int64_t balanced =
-              ceildiv(kSplitSlack * p.split_target * len, std::max<int64_t>(share, 1));
-          parts = std::min({parts, balanced, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1)});
+        const int64_t h = height_of((chunk_first[c + 1] - chunk_first[c]) * g);
+        const int64_t share = p.num_kv_heads * launch_len[h];  // x slots
+        const int64_t per_sm = pairs_per_sm(p.m_sizes[h], p.head_dim);
+        const int64_t slots = p.split_target * per_sm;
+        if (len * slots > kSplitSlack * share) {
+          // Leaf chunks (one warp per pair) are cut by the balance alone, not by the split
+          // length: one long request would otherwise keep a single part.
+          const int64_t cap = per_sm > 1 ? pages : parts;
+          const int64_t balanced = ceildiv(kSplitSlack * slots * len, std::max<int64_t>(share, 1));
+          parts = std::min({cap, balanced, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1)});
         } else {
           parts = 1;
         }

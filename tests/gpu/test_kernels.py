@@ -147,6 +147,27 @@ def test_random_forest(case, packing, qlen, seed):
           concurrent=seed >= 1, one_wave=seed != 2, chained=seed == 0)  # fmt: skip
 
 
+@pytest.mark.parametrize("leaf", ["1", "0"])
+@pytest.mark.parametrize(
+    "case",
+    [CASES[0], CASES[1], CASES[3], CASES[4], CASES[8], CASES[9]],
+    ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}",
+)
+@pytest.mark.parametrize("qlen", [1, 4])
+def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
+    """The 16-row variant through the leaf kernel (default) and through the 16-row tile of
+    forward_mma_kernel (PREFIXATTN_LEAF_KERNEL=0): one and two passes (group 16, 4-token runs
+    of group 3-4), every page-size path."""
+    monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", leaf)
+    hq, hkv, d, ps, dtype, layout, inter = case
+    rng = np.random.default_rng(7 + hq + ps)
+    table, lens, num_pages = random_forest(rng, ps, 33, max(1, 300 // ps), 97)
+    qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
+    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, seed=3,
+                 one_wave=False)  # fmt: skip
+    assert any(m == 16 for m, _ in plan.tiles), plan.summary()
+
+
 @pytest.mark.parametrize("fixed_grid", [False, True])
 def test_chained_launches_match_serial(fixed_grid):
     # Chained launches (each tile height and the merge may start while the launch before it
