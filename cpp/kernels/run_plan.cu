@@ -193,8 +193,7 @@ void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s
   }
 }
 
-// Merge: 8 warps per block, one (token, head) pair per warp and round; `num_merge` tokens
-// known on the host, or -1 for the fixed grid.
+// Merge (merge_kernel): `num_merge` tokens known on the host, or -1 for the fixed grid.
 template <typename T>
 void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s, bool chained) {
   auto kernel = D == 64 ? merge_kernel<T, 64> : D == 128 ? merge_kernel<T, 128> : merge_kernel<T, 256>;
@@ -204,11 +203,17 @@ void launch_merge(const MergeParams& p, int D, int num_merge, cudaStream_t s, bo
   std::atomic<int>& slot = full_per_device[device & 63];
   int full = slot.load(std::memory_order_relaxed);
   if (full == 0) {
-    full = fill_grid(merge_kernel<T, 128>, 256, 0);
+    // Blocks per SM with the largest weight table (kMergeMaxHeads).
+    full = fill_grid(merge_kernel<T, 128>, kMergeThreads, merge_smem_bytes(kMergeMaxHeads));
     slot.store(full, std::memory_order_relaxed);
   }
-  const int grid = num_merge < 0 ? full : std::min((num_merge * p.num_qo_heads + 7) / 8, full);
-  if (grid > 0) launch_kernel(kernel, grid, 256, 0, s, chained, p);
+  // A warp per (token, head) when the grid has one for each (the kernel picks that path
+  // itself from the plan's token count), else a block per token.
+  constexpr int kWarps = kMergeThreads / 32;
+  const int grid = num_merge < 0 ? full
+                                 : std::min((num_merge * p.num_qo_heads + kWarps - 1) / kWarps, full);
+  if (grid > 0)
+    launch_kernel(kernel, grid, kMergeThreads, merge_smem_bytes(p.num_qo_heads), s, chained, p);
 }
 
 void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -246,8 +251,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // Partial rows are read and written two elements (4 bytes) at a time.
   TORCH_CHECK(partial_o.is_cuda() && partial_lse.is_cuda() && partial_o.is_contiguous() &&
                   partial_lse.is_contiguous() &&
-                  reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 4 == 0,
-              "prefixattn: partial buffers must be contiguous CUDA tensors, partial_o 4-byte aligned");
+                  reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 16 == 0,
+              "prefixattn: partial buffers must be contiguous CUDA tensors, partial_o 16-byte aligned");
   for (auto* t : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
@@ -397,6 +402,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     mp.o_stride_t = p.o_stride_t;
     mp.o_stride_h = p.o_stride_h;
     mp.num_qo_heads = hq;
+    mp.vec_out = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.stride(0) % 8 == 0 &&
+                 out.stride(1) % 8 == 0;
     // The merge follows a forward launch of this run on the caller's stream (unless the plan
     // had none).
     const bool link = chain && num_launches > 0;

@@ -70,7 +70,7 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
           packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
-          concurrent=False, one_wave=True, chained=False):  # fmt: skip
+          concurrent=False, one_wave=True, chained=False, split_target=None):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -79,6 +79,8 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     pa = prefixattn.PrefixAttention(hq, hkv, d, page_size, kv_layout=layout, device=DEV,
                                     dtype=dtype)  # fmt: skip
     pa.one_launch_in_one_wave = one_wave
+    if split_target is not None:
+        pa.split_target = split_target
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
     out = torch.full_like(q, float("nan"))
     ws = _ops.Workspace(DEV)
@@ -211,6 +213,26 @@ def test_long_kv(split_kv):
     lens = np.array([4097, 17, 1], dtype=np.int32)
     check(32, 8, 128, 16, torch.bfloat16, "NHD", False, table, lens, 3 * 257,
           np.ones(3, dtype=np.int32), split_kv=split_kv)  # fmt: skip
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(("length", "short", "parts"), [(5000, 30, 20), (40000, 100, 94)])
+def test_merge_many_partials(d, length, short, parts):
+    """A long request beside many short ones, every long item cut at the mean node length
+    (split_target=0): 20 partial rows for its token (the merge's block path) or 94 (its
+    warp-per-head path), 40 query heads (a last group of heads that fills part of a merge
+    block), fp16."""
+    pages = -(-length // 16)
+    num_pages = pages + 3 * short
+    table = np.full((1 + short, pages), num_pages - 1, dtype=np.int32)
+    table[0] = np.arange(pages)
+    for i in range(short):
+        table[1 + i, :3] = pages + 3 * i + np.arange(3)
+    lens = np.array([length] + [33] * short, dtype=np.int32)
+    plan = check(40, 8, d, 16, torch.float16, "NHD", False, table, lens, num_pages,
+                 np.ones(1 + short, dtype=np.int32), split_target=0)  # fmt: skip
+    assert plan.num_merge_tokens == 1
+    assert int(np.diff(plan.host.merge_indptr).max()) == parts
 
 
 # The 128-row tiles (the warpgroup kernel): a shared root read by many query rows, with odd

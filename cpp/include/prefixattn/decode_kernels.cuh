@@ -98,6 +98,7 @@ struct MergeParams {
   const int32_t* counts;
   int64_t o_stride_t, o_stride_h;
   int num_qo_heads;
+  int vec_out;  // 1: out rows are 16-byte aligned (16-byte stores), else 4-byte stores
 };
 
 namespace detail {
@@ -440,47 +441,154 @@ __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const Forward
   }
 }
 
-// One warp per (merged token, head), grid-stride over counts[kCountMergeTokens] x heads (a
-// fixed grid runs any plan); lane owns D / 32 contiguous dims. Combines the token's partial
-// rows (q's dtype) by log-sum-exp in fp32 and writes q's dtype.
+namespace detail {
+// One warp merges one (token, head): the general path of merge_kernel, for tokens with more
+// than kMergeMaxPartials partial rows. Lane owns D / 32 contiguous dims.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
+__device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int h, int lane) {
   constexpr int kDpl = D / 32;
-  detail::chain_wait_prev();  // the forward launches have written every partial row
-  const int lane = threadIdx.x & 31;
-  const int warps = gridDim.x * (blockDim.x >> 5);
-  const int total = p.counts[kCountMergeTokens] * p.num_qo_heads;
-  for (int pair = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); pair < total;
-       pair += warps) {
-    const int i = pair / p.num_qo_heads, h = pair % p.num_qo_heads;
-    const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
-    float m = -INFINITY;
-    for (int j = begin + lane; j < end; j += 32)
-      m = fmaxf(m, __ldcg(p.partial_lse + static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h));
-    m = detail::warp_max(m);
-    float acc[kDpl];
+  const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
+  float m = -INFINITY;
+  for (int j = begin + lane; j < end; j += 32)
+    m = fmaxf(m, __ldcg(p.partial_lse + static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h));
+  m = warp_max(m);
+  float acc[kDpl];
 #pragma unroll
-    for (int d = 0; d < kDpl; ++d) acc[d] = 0.f;
-    float wsum = 0.f;
-    if (m != -INFINITY) {
-      for (int j = begin; j < end; ++j) {
-        const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
-        const float w = __expf(__ldcg(p.partial_lse + row) - m);
-        wsum += w;
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.partial_o) + row * D + lane * kDpl);
+  for (int d = 0; d < kDpl; ++d) acc[d] = 0.f;
+  float wsum = 0.f;
+  if (m != -INFINITY) {
+    for (int j = begin; j < end; ++j) {
+      const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
+      const float w = __expf(__ldcg(p.partial_lse + row) - m);
+      wsum += w;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.partial_o) + row * D + lane * kDpl);
 #pragma unroll
-        for (int d = 0; d < kDpl; d += 2) {
-          const float2 x = detail::Vec<T>::to_float2(__ldcg(src + d / 2));
-          acc[d] += w * x.x;
-          acc[d + 1] += w * x.y;
-        }
+      for (int d = 0; d < kDpl; d += 2) {
+        const float2 x = Vec<T>::to_float2(__ldcg(src + d / 2));
+        acc[d] += w * x.x;
+        acc[d + 1] += w * x.y;
       }
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    T* o = static_cast<T*>(p.out) + p.merge_tokens[i] * p.o_stride_t + h * p.o_stride_h +
-           lane * kDpl;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* o = static_cast<T*>(p.out) + p.merge_tokens[i] * p.o_stride_t + h * p.o_stride_h + lane * kDpl;
 #pragma unroll
-    for (int d = 0; d < kDpl; ++d) o[d] = detail::Vec<T>::from_float(acc[d] * inv);
+  for (int d = 0; d < kDpl; ++d) o[d] = Vec<T>::from_float(acc[d] * inv);
+}
+}  // namespace detail
+
+// Partial rows per token and query heads that the block path of merge_kernel keeps in shared
+// memory (16 KB of weights at most, under the 48 KB that needs no opt-in).
+constexpr int kMergeMaxPartials = 16;
+constexpr int kMergeMaxHeads = 256;
+constexpr int kMergeThreads = 256;
+inline int merge_smem_bytes(int num_qo_heads) {
+  return num_qo_heads <= kMergeMaxHeads ? kMergeMaxPartials * (num_qo_heads + 1) * 4 : 0;
+}
+
+// Two ways through one launch, chosen for the whole grid from the plan's merge token count:
+// - Few tokens (every (token, head) has a warp of the grid): a warp per (token, head), the
+//   most loads in flight at once (merge_head_warp).
+// - Otherwise a block per token, grid-stride over counts[kCountMergeTokens]; a fixed grid
+//   runs any plan. The dependent loads (the token's partial row indices, their log-sum-exps,
+//   then the rows) are paid once for all its heads:
+//   1. the partial row indices into shared memory;
+//   2. a thread per head: the max of the head's fp32 log-sum-exps and the normalised weights
+//      exp(lse - max) / sum into shared memory (0 where no partial saw a key);
+//   3. a thread per 8 contiguous elements of the token's [heads, D] output: the weighted sum
+//      of the partial rows (q's dtype, 16-byte loads, two partials per step) in fp32,
+//      written in q's dtype.
+//   A token with more than kMergeMaxPartials partials (or more than kMergeMaxHeads heads)
+//   takes the warp-per-head path within its block.
+template <typename T, int D>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
+  detail::chain_wait_prev();  // the forward launches have written every partial row
+  const int hq = p.num_qo_heads;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int kWarps = kMergeThreads / 32;
+  const int total = p.counts[kCountMergeTokens];
+  const int grid_warps = static_cast<int>(gridDim.x) * kWarps;
+  if (static_cast<int64_t>(total) * hq <= grid_warps) {
+    const int w = static_cast<int>(blockIdx.x) * kWarps + warp;
+    if (w < total * hq) detail::merge_head_warp<T, D>(p, w / hq, w % hq, lane);
+    return;
+  }
+  extern __shared__ __align__(16) unsigned char merge_smem[];
+  float* const wts = reinterpret_cast<float*>(merge_smem);                 // [partials][hq]
+  int* const rows = reinterpret_cast<int*>(wts + kMergeMaxPartials * hq);  // [partials]
+  const int64_t elems = static_cast<int64_t>(hq) * D;
+  for (int i = blockIdx.x; i < total; i += gridDim.x) {
+    const int begin = p.merge_indptr[i];
+    const int n = p.merge_indptr[i + 1] - begin;
+    if (n > kMergeMaxPartials || hq > kMergeMaxHeads) {
+      for (int h = warp; h < hq; h += kWarps) detail::merge_head_warp<T, D>(p, i, h, lane);
+      continue;
+    }
+    __syncthreads();  // the previous token is done with the weights
+    if (tid < n) rows[tid] = p.merge_partials[begin + tid];
+    __syncthreads();
+    for (int h = tid; h < hq; h += kMergeThreads) {
+      // The head's log-sum-exps (independent loads) into its weight column, then the weights.
+      float m = -INFINITY;
+      for (int j = 0; j < n; ++j) {
+        const float x = __ldcg(p.partial_lse + static_cast<int64_t>(rows[j]) * hq + h);
+        wts[j * hq + h] = x;
+        m = fmaxf(m, x);
+      }
+      float sum = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const float w = m == -INFINITY ? 0.f : __expf(wts[j * hq + h] - m);
+        wts[j * hq + h] = w;
+        sum += w;
+      }
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int j = 0; j < n; ++j) wts[j * hq + h] *= inv;
+    }
+    __syncthreads();
+    const int64_t tok = p.merge_tokens[i];
+    for (int e = tid * 8; e < elems; e += kMergeThreads * 8) {
+      const int h = e / D;
+      const T* const src = static_cast<const T*>(p.partial_o) + e;
+      float acc[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+      int j = 0;
+      for (; j + 2 <= n; j += 2) {
+        const uint4 x0 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j] * elems));
+        const uint4 x1 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j + 1] * elems));
+        const float w0 = wts[j * hq + h], w1 = wts[(j + 1) * hq + h];
+        const uint32_t a0[4] = {x0.x, x0.y, x0.z, x0.w}, a1[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f0 = detail::Vec<T>::to_float2(a0[k]);
+          const float2 f1 = detail::Vec<T>::to_float2(a1[k]);
+          acc[2 * k] += w0 * f0.x + w1 * f1.x;
+          acc[2 * k + 1] += w0 * f0.y + w1 * f1.y;
+        }
+      }
+      if (j < n) {
+        const uint4 x0 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j] * elems));
+        const float w0 = wts[j * hq + h];
+        const uint32_t a0[4] = {x0.x, x0.y, x0.z, x0.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f0 = detail::Vec<T>::to_float2(a0[k]);
+          acc[2 * k] += w0 * f0.x;
+          acc[2 * k + 1] += w0 * f0.y;
+        }
+      }
+      alignas(16) T vals[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) vals[k] = detail::Vec<T>::from_float(acc[k]);
+      T* const dst = static_cast<T*>(p.out) + tok * p.o_stride_t + h * p.o_stride_h + (e - h * D);
+      if (p.vec_out) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; k += 2)
+          *reinterpret_cast<uint32_t*>(dst + k) = *reinterpret_cast<const uint32_t*>(vals + k);
+      }
+    }
   }
 }
 
