@@ -248,7 +248,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(partial_o.scalar_type() == q.scalar_type() && partial_lse.scalar_type() == at::kFloat,
               "prefixattn: partial_o must have q's dtype (", q.scalar_type(), "), got ",
               partial_o.scalar_type(), "; partial_lse must be float32, got ", partial_lse.scalar_type());
-  // Partial rows are read and written two elements (4 bytes) at a time.
+  // Partial rows are written two elements (4 bytes) at a time by the forward kernels and read
+  // 16 bytes at a time by the merge.
   TORCH_CHECK(partial_o.is_cuda() && partial_lse.is_cuda() && partial_o.is_contiguous() &&
                   partial_lse.is_contiguous() &&
                   reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 16 == 0,

@@ -442,8 +442,9 @@ __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const Forward
 }
 
 namespace detail {
-// One warp merges one (token, head): the general path of merge_kernel, for tokens with more
-// than kMergeMaxPartials partial rows. Lane owns D / 32 contiguous dims.
+// One warp merges one (token, head): merge_kernel's path for small merges (a warp per pair of
+// the plan) and, inside a block, for tokens with more than kMergeMaxPartials partial rows.
+// Lane owns D / 32 contiguous dims.
 template <typename T, int D>
 __device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int h, int lane) {
   constexpr int kDpl = D / 32;

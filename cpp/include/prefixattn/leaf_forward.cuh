@@ -26,7 +26,8 @@
 //   O^T += V^T P^T, is the S^T fragment packed to 16 bits and transposed in registers
 //   (movmatrix.trans); V^T comes from ldmatrix.trans of the V rows, K from ldmatrix of the K
 //   rows, q^T (the B operand of S^T) from global memory, 2 registers per 16 dims.
-// - The epilogue transposes O^T back the same way, so lane l writes 4 bytes of row l / 4.
+// - The epilogue transposes O^T back the same way, so lane l writes row l / 4: 4 bytes in
+//   each 8-dim half of every 16-dim block.
 #pragma once
 
 #include "prefixattn/decode_kernels.cuh"
@@ -394,6 +395,7 @@ __global__ void __launch_bounds__(kLeafWarps * 32, 2) forward_leaf_kernel(const 
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
+  static_assert(STAGES >= 2, "the copies run STAGES - 1 tiles ahead of the math");
   constexpr int kRow = D + kPad;
   constexpr int kStageElems = 2 * kLeafTokens * kRow;
   extern __shared__ __align__(16) unsigned char smem_raw[];
