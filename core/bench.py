@@ -15,6 +15,7 @@ import functools
 import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -43,7 +44,9 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
 # 128-row tile, "per_height" keeps each item's own tile height in one-wave plans
 # (``PrefixAttention.one_launch_in_one_wave`` off), "chained" lets each launch start while the
-# one before it drains (``PrefixAttention.chain_launches`` on).
+# one before it drains (``PrefixAttention.chain_launches`` on), "tile16" runs the 16-row
+# variant on the 16-row tile of forward_mma_kernel instead of the leaf kernel (the same plan;
+# ``PREFIXATTN_LEAF_KERNEL=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -58,8 +61,27 @@ ABLATIONS: dict[str, Variant] = {
     "concurrent": ("memory", True, None, 0, False, True),
     "fixed_concurrent": ("memory", True, None, 0, True, True),
     "chained": MAIN,
+    "tile16": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
+
+
+def with_env(name: str, value: str, call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with the environment variable ``name`` set to ``value`` during each call (the
+    CUDA launcher reads ``PREFIXATTN_LEAF_KERNEL`` per call), restored afterwards."""
+
+    def wrapped() -> object:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return call()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+    return wrapped
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -354,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
                 chained=name == "chained",
             )  # fmt: skip
+            if name == "tile16":
+                calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
@@ -425,7 +449,7 @@ def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
-                        "fixed_concurrent_us", "chained_us")
+                        "fixed_concurrent_us", "chained_us", "tile16_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",

@@ -204,3 +204,27 @@ def test_compare_builds(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert abs(result["geomean_fi_decode_drift"] - 1.1) < 1e-12
     assert abs(result["geomean_pct_floor_base"] - 100 * (0.5 * 0.25) ** 0.5) < 1e-9
     assert "| a | 32,8 | 16 |" in mod.to_markdown(result)
+
+
+def test_with_env_sets_the_variable_only_during_the_call(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from prefixattn.bench import ABLATIONS, with_env
+
+    assert "tile16" in ABLATIONS
+    monkeypatch.delenv("PREFIXATTN_LEAF_KERNEL", raising=False)
+    seen = []
+    call = with_env(
+        "PREFIXATTN_LEAF_KERNEL", "0", lambda: seen.append(os.environ.get("PREFIXATTN_LEAF_KERNEL"))
+    )
+    call()
+    assert seen == ["0"] and "PREFIXATTN_LEAF_KERNEL" not in os.environ
+    monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", "1")
+
+    def boom() -> None:
+        assert os.environ["PREFIXATTN_LEAF_KERNEL"] == "0"
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        with_env("PREFIXATTN_LEAF_KERNEL", "0", boom)()
+    assert os.environ["PREFIXATTN_LEAF_KERNEL"] == "1"
