@@ -151,13 +151,14 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
     // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
     // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
     constexpr int S = D <= 64 ? 4 : 3;
+    constexpr int kLeafStages = D <= 64 ? 4 : 3;  // the leaf kernel's 16-token stages per warp
     switch (p.variant) {
       case 0:
         // One warp per (item, KV head) pair (leaf_forward.cuh); PREFIXATTN_LEAF_KERNEL=0 runs
         // the 16-row tile of forward_mma_kernel instead (key-split warps, packed heads).
         if (leaf_kernel_enabled())
-          return launch<forward_leaf_kernel<T, D, D <= 64 ? 4 : 3>>(
-              kLeafWarps * 32, forward_leaf_smem_bytes<D, D <= 64 ? 4 : 3>(), p,
+          return launch<forward_leaf_kernel<T, D, kLeafStages>>(
+              kLeafWarps * 32, forward_leaf_smem_bytes<D, kLeafStages>(), p,
               pairs < 0 ? -1 : (pairs + kLeafWarps - 1) / kLeafWarps, stream, chained);
         return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
                             forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream, chained);

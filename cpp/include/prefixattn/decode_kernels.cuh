@@ -239,6 +239,21 @@ struct WorkRange {
 
 }  // namespace detail
 
+namespace detail {
+// KV length and first page offset of the pair after `pos` in `range` (a WorkRange or the leaf
+// kernel's LeafPairs), fetched a pair ahead by the copy sides; unchanged past the last pair.
+template <typename Range>
+__device__ __forceinline__ void fetch_pair_after(const ForwardParams& p, const Range& range,
+                                                 PairPos pos, int& len, int& page0) {
+  range.advance(pos);
+  if (pos.w < range.total) {
+    const int item = range.begin + pos.idx;
+    len = p.kv_len[item];
+    page0 = p.kv_page_indptr[item];
+  }
+}
+}  // namespace detail
+
 // ---------------------------------------------------------------------------------------------
 // CUDA-core forward (head_dim 256): 8 warps; warp w owns rows w, w + 8, ... (ROWS_PER_WARP of
 // them); lane j scores keys j and j + 32 of the tile; lane owns D / 32 contiguous output dims;
@@ -700,13 +715,7 @@ struct PairCursor {
     v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head + col;
   }
   __device__ __forceinline__ void fetch_next(const ForwardParams& p, const WorkRange& range) {
-    PairPos q = pos;
-    range.advance(q);
-    if (q.w < range.total) {
-      const int item = range.begin + q.idx;
-      next_len = p.kv_len[item];
-      next_page0 = p.kv_page_indptr[item];
-    }
+    fetch_pair_after(p, range, pos, next_len, next_page0);
   }
 };
 

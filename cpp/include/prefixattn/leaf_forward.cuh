@@ -122,13 +122,7 @@ struct LeafCopier {
     v_base = static_cast<const T*>(p.v) + pos.head * p.v_stride_head + col;
   }
   __device__ __forceinline__ void fetch_next(const ForwardParams& p, const LeafPairs& r) {
-    PairPos q = pos;
-    r.advance(q);
-    if (q.w < r.total) {
-      const int item = r.begin + q.idx;
-      next_len = p.kv_len[item];
-      next_page0 = p.kv_page_indptr[item];
-    }
+    fetch_pair_after(p, r, pos, next_len, next_page0);
   }
   // Pages of 16 tokens or more (powers of two) hold a whole tile: one page id.
   static __device__ __forceinline__ bool one_page(const ForwardParams& p) {
