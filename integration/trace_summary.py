@@ -14,7 +14,10 @@ the batch's block table to the host, which waits for the work queued before it) 
   the intervals between consecutive starts of that CPU event, as steps (``all_ms``: every
   interval's length). Over the steps no
   longer than twice the median (the steady decode steps): median step, GPU busy and idle
-  time, the GPU kernels by device time per step (names cut to 80 characters), and the host
+  time, the GPU kernels by device time per step (names cut to 80 characters), the attention
+  kernels' time per step (``attention_ms_per_step``: kernels of prefixattn, FlashInfer,
+  FlashAttention and SGLang's Triton attention, by name, ``ATTENTION``) and the rest of the
+  step (``rest_ms_per_step``: median step minus attention), and the host
   events that overlap the GPU's idle gaps inside them (per step, by name,
   longest first): what the host was doing while the GPU waited.
 
@@ -34,6 +37,17 @@ from typing import Any
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("user_annotation", "cuda_runtime", "cuda_driver", "cpu_op", "python_function")
 RANGES = ("prefixattn.host_tables", "prefixattn.plan")
+# Substrings of attention kernel names: prefixattn's forward and merge kernels, FlashInfer's
+# decode, prefill and merge kernels, FlashAttention, SGLang's Triton decode/extend kernels.
+ATTENTION = (
+    "forward_leaf_kernel", "forward_mma_kernel", "forward_wgmma_kernel", "forward_cuda_kernel",
+    "prefixattn::merge_kernel", "merge_kernel<", "BatchDecode", "BatchPrefill", "MergeState",
+    "flash_fwd", "flash::", "_fwd_kernel", "_decode_att", "_decode_softmax", "_decode_grouped",
+)  # fmt: skip
+
+
+def is_attention(name: str) -> bool:
+    return any(a in name for a in ATTENTION)
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -105,7 +119,7 @@ def _overlap(iv: list[tuple[float, float]], start: float, end: float) -> float:
 
 
 def steps_summary(
-    events: list[dict[str, Any]], marker: str, gap_us: float = 50.0, top: int = 12
+    events: list[dict[str, Any]], marker: str, gap_us: float = 50.0, top: int = 24
 ) -> dict[str, Any]:
     """Steady steps between starts of ``marker``: median length, GPU busy and idle, and the
     host events overlapping the idle gaps (ms per step, by ``cat/name``)."""
@@ -129,12 +143,15 @@ def steps_summary(
     busy, idle = [], []
     during_idle: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    attention = 0.0
     for e in events:
         if e.get("cat") == "kernel":
             s0 = float(e["ts"])
             if any(a <= s0 < b for a, b in steady):
                 name = str(e["name"])[:80]
                 kernels[name] = kernels.get(name, 0.0) + float(e["dur"])
+                if is_attention(str(e["name"])):
+                    attention += float(e["dur"])
     for a, b in steady:
         inside = [(max(a, s), min(b, e)) for s, e in gpu if e > a and s < b]
         step_busy = sum(e - s for s, e in inside)
@@ -153,11 +170,14 @@ def steps_summary(
         return round(sorted(xs)[len(xs) // 2] / 1e3, 3)
 
     ranked = sorted(during_idle.items(), key=lambda kv: -kv[1])[:top]
+    step_ms = med([b - a for a, b in steady])
     return {
         "marker": marker,
         "all_ms": [round((b - a) / 1e3, 2) for a, b in spans],
         "count": n,
-        "step_ms": med([b - a for a, b in steady]),
+        "step_ms": step_ms,
+        "attention_ms_per_step": round(attention / n / 1e3, 3),
+        "rest_ms_per_step": round(step_ms - attention / n / 1e3, 3),
         "gpu_busy_ms": med(busy),
         "gpu_idle_ms": med(idle),
         "host_during_idle_ms_per_step": {k: round(v / n / 1e3, 3) for k, v in ranked},
@@ -168,13 +188,19 @@ def steps_summary(
     }
 
 
-def summarize_traces(folder: Path, gap_us: float = 50.0) -> dict[str, dict]:
-    """Summaries of every trace file below ``folder``, by relative path."""
+def summarize_traces(
+    folder: Path, gap_us: float = 50.0, step_marker: str | None = None
+) -> dict[str, dict]:
+    """Summaries of every trace file below ``folder``, by relative path (with ``steps`` when
+    ``step_marker`` is given)."""
     files = sorted(p for p in folder.rglob("*") if p.name.endswith((".json", ".json.gz")))
     out = {}
     for p in files:
         try:
-            out[str(p.relative_to(folder))] = summarize(load(p), gap_us)
+            events = load(p)
+            out[str(p.relative_to(folder))] = summarize(events, gap_us)
+            if step_marker:
+                out[str(p.relative_to(folder))]["steps"] = steps_summary(events, step_marker, gap_us)
         except (OSError, ValueError, KeyError) as e:
             out[str(p.relative_to(folder))] = {"error": f"{type(e).__name__}: {e}"}
     return out

@@ -27,7 +27,8 @@ and summarised, so the JSON shows that every timed step ran all B requests in a 
 
 ``--profile DIR`` also records one more generation per workload with SGLang's torch profiler
 (outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
-adapter's host ranges; ``integration/trace_summary.py``) to the results.
+adapter's host ranges, and per decode step between graph launches: the attention kernels'
+time and the rest of the step; ``integration/trace_summary.py``) to the results.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def main() -> int:
                 speedup.setdefault(spec, {})[b] = round(other / pa, 3)
     results["prefixattn_speedup"] = speedup
     if args.profile:
-        results["profile"] = summarize_traces(Path(args.profile))
+        results["profile"] = summarize_traces(Path(args.profile), step_marker="cudaGraphLaunch")
     (args.out / "bench_decode.json").write_text(json.dumps(results, indent=1))
     print("speedup of prefixattn (other / prefixattn):", json.dumps(speedup), flush=True)
     return 0 if all("error" not in r for r in results["backends"].values()) else 1
