@@ -200,7 +200,9 @@ def summarize_traces(
             events = load(p)
             out[str(p.relative_to(folder))] = summarize(events, gap_us)
             if step_marker:
-                out[str(p.relative_to(folder))]["steps"] = steps_summary(events, step_marker, gap_us)
+                out[str(p.relative_to(folder))]["steps"] = steps_summary(
+                    events, step_marker, gap_us
+                )
         except (OSError, ValueError, KeyError) as e:
             out[str(p.relative_to(folder))] = {"error": f"{type(e).__name__}: {e}"}
     return out

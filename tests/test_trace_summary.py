@@ -77,3 +77,23 @@ def test_steps(ts) -> None:  # type: ignore[no-untyped-def]
     assert host["user_annotation/step"] == 0.01
     assert s["kernels_ms_per_step"] == {"fwd": 0.6}
     assert ts.steps_summary(ev, "missing") == {"marker": "missing", "count": 0}
+
+
+def test_attention_share_of_steps(ts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Two steps of 1000 us: an attention kernel of each family in one, a GEMM in both.
+    ev = []
+    for start, attn in ((0, "void prefixattn::forward_leaf_kernel<__nv_bfloat16, 128, 3>"),
+                        (1000, "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>")):  # fmt: skip
+        ev.append(_ev("cudaGraphLaunch", "cuda_runtime", start, 5))
+        ev.append(_ev(attn, "kernel", start + 10, 300))
+        ev.append(_ev("nvjet_sm90_tst_256x128", "kernel", start + 320, 500))
+    ev.append(_ev("cudaGraphLaunch", "cuda_runtime", 2000, 5))
+    s = ts.steps_summary(ev, "cudaGraphLaunch")
+    assert s["step_ms"] == 1.0
+    assert s["attention_ms_per_step"] == 0.3 and s["rest_ms_per_step"] == 0.7
+    assert not ts.is_attention("nvjet_sm90_tst_256x128")
+    path = tmp_path / "run" / "t.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(ev))
+    [summary] = ts.summarize_traces(tmp_path, step_marker="cudaGraphLaunch").values()
+    assert summary["steps"]["attention_ms_per_step"] == 0.3
