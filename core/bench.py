@@ -43,8 +43,8 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # name -> (packing, split_kv, split target (None: the device's SM count), L2 prefetch tiles,
 # fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
 # 128-row tile, "per_height" keeps each item's own tile height in one-wave plans
-# (``PrefixAttention.one_launch_in_one_wave`` off), "chained" lets each launch start while the
-# one before it drains (``PrefixAttention.chain_launches`` on), "tile16" runs the 16-row
+# (``PrefixAttention.one_launch_in_one_wave`` off), "unchained" makes each launch wait for the
+# one before it to finish (``PrefixAttention.chain_launches`` off; the default chains them), "tile16" runs the 16-row
 # variant on the 16-row tile of forward_mma_kernel instead of the leaf kernel (the same plan;
 # ``PREFIXATTN_LEAF_KERNEL=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
@@ -60,7 +60,7 @@ ABLATIONS: dict[str, Variant] = {
     "fixed_grid": ("memory", True, None, 0, True, False),
     "concurrent": ("memory", True, None, 0, False, True),
     "fixed_concurrent": ("memory", True, None, 0, True, True),
-    "chained": MAIN,
+    "unchained": MAIN,
     "tile16": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calls[name] = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
-                chained=name == "chained",
+                chained=pa.chain_launches and name != "unchained",
             )  # fmt: skip
             if name == "tile16":
                 calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
@@ -449,7 +449,7 @@ def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
-                        "fixed_concurrent_us", "chained_us", "tile16_us")
+                        "fixed_concurrent_us", "unchained_us", "tile16_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
