@@ -179,8 +179,9 @@ class PrefixAttention:
         """CUDA kernels: let each launch of a call after the first (the next tile height, the
         merge) start while the one before it drains (programmatic dependent launch), so the
         launches overlap at their tails; off, each waits for the one before to finish. On by
-        default since the leaf kernel: 6.4% less time over the suite, no configuration
-        slower (docs/kernel-notes.md, v17 and "Chained launches with the leaf kernel")."""
+        default since the leaf kernel: 6.4% less time over the suite, at worst 1.0% more on
+        one configuration (docs/kernel-notes.md, v17 and "Chained launches with the leaf
+        kernel")."""
         self.native_plan = True
         """Build plans with the compiled planner when it is installed (identical output to
         the Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
