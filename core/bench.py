@@ -44,9 +44,9 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
 # 128-row tile, "per_height" keeps each item's own tile height in one-wave plans
 # (``PrefixAttention.one_launch_in_one_wave`` off), "unchained" makes each launch wait for the
-# one before it to finish (``PrefixAttention.chain_launches`` off; the default chains them), "tile16" runs the 16-row
-# variant on the 16-row tile of forward_mma_kernel instead of the leaf kernel (the same plan;
-# ``PREFIXATTN_LEAF_KERNEL=0`` around each call).
+# one before it to finish (``PrefixAttention.chain_launches`` off; the default chains them),
+# "tile16" runs the 16-row variant on the 16-row tile of forward_mma_kernel instead of the
+# leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {

@@ -37,12 +37,13 @@ from typing import Any
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("user_annotation", "cuda_runtime", "cuda_driver", "cpu_op", "python_function")
 RANGES = ("prefixattn.host_tables", "prefixattn.plan")
-# Substrings of attention kernel names: prefixattn's forward and merge kernels, FlashInfer's
-# decode, prefill and merge kernels, FlashAttention, SGLang's Triton decode/extend kernels.
+# Substrings of attention kernel names: prefixattn's forward kernels (every tile height and
+# head_dim) and merge, FlashInfer's decode, prefill and merge kernels, FlashAttention, SGLang's
+# Triton decode/extend kernels.
 ATTENTION = (
-    "forward_leaf_kernel", "forward_mma_kernel", "forward_wgmma_kernel", "forward_cuda_kernel",
-    "prefixattn::merge_kernel", "merge_kernel<", "BatchDecode", "BatchPrefill", "MergeState",
-    "flash_fwd", "flash::", "_fwd_kernel", "_decode_att", "_decode_softmax", "_decode_grouped",
+    "prefixattn::forward_", "prefixattn::merge_kernel", "BatchDecode", "BatchPrefill",
+    "MergeState", "flash_fwd", "flash::", "_fwd_kernel", "_decode_att", "_decode_softmax",
+    "_decode_grouped",
 )  # fmt: skip
 
 
@@ -196,15 +197,14 @@ def summarize_traces(
     files = sorted(p for p in folder.rglob("*") if p.name.endswith((".json", ".json.gz")))
     out = {}
     for p in files:
+        key = str(p.relative_to(folder))
         try:
             events = load(p)
-            out[str(p.relative_to(folder))] = summarize(events, gap_us)
+            out[key] = summarize(events, gap_us)
             if step_marker:
-                out[str(p.relative_to(folder))]["steps"] = steps_summary(
-                    events, step_marker, gap_us
-                )
+                out[key]["steps"] = steps_summary(events, step_marker, gap_us)
         except (OSError, ValueError, KeyError) as e:
-            out[str(p.relative_to(folder))] = {"error": f"{type(e).__name__}: {e}"}
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

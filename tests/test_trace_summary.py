@@ -92,6 +92,7 @@ def test_attention_share_of_steps(ts, tmp_path: Path) -> None:  # type: ignore[n
     assert s["step_ms"] == 1.0
     assert s["attention_ms_per_step"] == 0.3 and s["rest_ms_per_step"] == 0.7
     assert not ts.is_attention("nvjet_sm90_tst_256x128")
+    assert ts.is_attention("void prefixattn::forward_kernel<__nv_bfloat16, 256, 4>(...)")
     path = tmp_path / "run" / "t.json"
     path.parent.mkdir()
     path.write_text(json.dumps(ev))
