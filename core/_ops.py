@@ -102,12 +102,17 @@ def run_plan_cuda(
     concurrent: bool = False,
     fixed_variants: int = -1,
     chained: bool = False,
+    finish: bool = True,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
     q, out: [T, Hq, D] float16/bfloat16; k_cache, v_cache: NHD [pages, page_size, Hkv, D] or
     HND [pages, Hkv, page_size, D] (``plan.kv_layout``), any strides with a contiguous last
     dim, rows 16-byte aligned. Raises ``RuntimeError`` for combinations without a kernel.
+    ``finish``: let the leaf launch run last and finish the plan's ``num_finished`` merged
+    tokens (always with serial groups and the leaf kernel under a fixed grid, so a captured
+    graph runs any plan either way); False, or concurrent groups, or
+    ``PREFIXATTN_LEAF_KERNEL=0``: the merge launch takes every merged token.
     """
     if not _load():
         raise RuntimeError("prefixattn: the compiled library (_C) is not available")
@@ -148,4 +153,6 @@ def run_plan_cuda(
         bool(concurrent),
         int(fixed_variants),
         bool(chained),
+        int(plan.num_finished),
+        bool(finish),
     )

@@ -20,7 +20,7 @@ from .buffers import (
 )
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
-from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, pack
+from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, finish_in_leaf, pack
 from .plan import LaunchPlan, PlanArrays
 from .reference import run_plan_reference
 from .tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
@@ -195,6 +195,13 @@ class PrefixAttention:
         items' rows fit and the launch keeps at least ``split_target`` pairs
         (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short decode items
         (docs/kernel-notes.md, v14). False: one KV head per pair."""
+        self.finish_in_leaf = True
+        """Plans let the leaf kernel (16-row tiles, head_dim <= 128) finish the merged tokens
+        with exactly one slot in its items: the CUDA launcher then runs the leaf launch after
+        the other forward launches, and its warps merge those tokens' other partial rows into
+        the output, so the merge launch takes only the rest (``prefixattn.packer.
+        finish_in_leaf``; docs/kernel-notes.md, v25). False: every merged token goes through
+        the merge launch, and the leaf launch runs first."""
         self.one_launch_in_one_wave = True
         """When all (work item, KV head) pairs of a plan fit in one wave (at most
         ``split_target``), give every item the plan's largest tile height, so that the
@@ -623,6 +630,15 @@ class PrefixAttention:
                 n_by_kv_len=self.tiles.n_by_kv_len,
             )
             forest, host, tiles, tile_indptr, acc = build(one)
+        num_finished = 0
+        if self.finish_in_leaf and self.head_dim <= 128:
+            # Merged tokens with one slot in the leaf kernel's items: that item finishes them
+            # (the leaf launch runs last and merges their other partial rows itself).
+            leaf = np.zeros(len(host.kv_len), dtype=bool)
+            for t, (m, _) in enumerate(tiles):
+                if m == VARIANT_ROWS[0]:
+                    leaf[tile_indptr[t] : tile_indptr[t + 1]] = True
+            host, num_finished = finish_in_leaf(host, leaf, int(indptr[-1]))
         _check_pages(host.kv_pages, table, lens, indptr, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))
@@ -642,7 +658,8 @@ class PrefixAttention:
             assert rows * heads <= VARIANT_ROWS[0] and self.num_kv_heads % heads == 0
         counts = np.asarray(
             [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
-             acc["num_partials"], num_tokens, *bounds, heads],
+             acc["num_partials"], num_tokens, *bounds, heads,
+             len(host.merge_tokens) - num_finished],
             dtype=np.int32,
         )  # fmt: skip
         arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}
@@ -698,6 +715,7 @@ class PrefixAttention:
             counts=views["counts"],
             host=host,
             forest=forest,
+            num_finished=num_finished,
         )
         if remember:
             self._plan = plan
@@ -752,6 +770,7 @@ class PrefixAttention:
                     plan, q, k_cache, v_cache, out, scale, self._workspace,
                     prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
                     concurrent=self.concurrent_groups, chained=self.chain_launches,
+                    finish=self.finish_in_leaf,
                 )  # fmt: skip
                 if self._guard is not None:
                     # The fallback of hinted plans: its counts are zero unless a check failed
@@ -762,6 +781,7 @@ class PrefixAttention:
                         fallback, q, k_cache, v_cache, out, scale, self._workspace,
                         prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
                         fixed_variants=self._guard.variants, chained=self.chain_launches,
+                        finish=self.finish_in_leaf,
                     )  # fmt: skip
                 return out
         if plan.fallback is not None and plan.fallback_taken is not None and plan.fallback_taken:

@@ -46,7 +46,9 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # (``PrefixAttention.one_launch_in_one_wave`` off), "unchained" makes each launch wait for the
 # one before it to finish (``PrefixAttention.chain_launches`` off; the default chains them),
 # "tile16" runs the 16-row variant on the 16-row tile of forward_mma_kernel instead of the
-# leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call).
+# leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call), "merge_all"
+# leaves every merged token to the merge launch (``PrefixAttention.finish_in_leaf`` off: the
+# leaf launch runs first and finishes nothing).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -62,6 +64,7 @@ ABLATIONS: dict[str, Variant] = {
     "fixed_concurrent": ("memory", True, None, 0, True, True),
     "unchained": MAIN,
     "tile16": MAIN,
+    "merge_all": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -369,15 +372,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             if name == "per_height":
                 pa.one_launch_in_one_wave = False
+            if name == "merge_all":
+                pa.finish_in_leaf = False
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             ws = _ops.Workspace("cuda")
             calls[name] = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
-                chained=pa.chain_launches and name != "unchained",
+                chained=pa.chain_launches and name != "unchained", finish=pa.finish_in_leaf,
             )  # fmt: skip
             if name == "tile16":
                 calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
+
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes
@@ -449,7 +455,7 @@ def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
-                        "fixed_concurrent_us", "unchained_us", "tile16_us")
+                        "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",

@@ -27,8 +27,13 @@ PACKED_HEADS = len(COUNTS) + len(VARIANT_ROWS) + 1
 """Index in ``counts`` of the KV heads one (item, KV heads) pair of the 16-row kernel covers
 (see :func:`packed_heads`)."""
 
-COUNTS_LEN = PACKED_HEADS + 1
-"""Entries of the ``counts`` array (the sizes, the variant bounds, the packed heads)."""
+MERGE_OPEN = PACKED_HEADS + 1
+"""Index in ``counts`` of the merged tokens the merge launch takes when the leaf launch
+finishes the others (``num_merge_tokens - LaunchPlan.num_finished``)."""
+
+COUNTS_LEN = MERGE_OPEN + 1
+"""Entries of the ``counts`` array (the sizes, the variant bounds, the packed heads, the
+merge launch's tokens)."""
 
 
 def packed_heads(

@@ -428,3 +428,63 @@ def pack(
         "num_partials": len(by_token),
     }
     return host, tiles, tile_indptr, accounting
+
+
+def finish_in_leaf(
+    host: PlanArrays, leaf_items: np.ndarray, num_tokens: int
+) -> tuple[PlanArrays, int]:
+    """Let the leaf launch finish the merged tokens it can; returns the arrays and their count.
+
+    ``leaf_items``: bool [W], the items the leaf kernel runs (16-row tiles at head_dim <= 128).
+    A merged token with exactly one slot in a leaf item is *finished* by that item: the leaf
+    launch runs after every other forward launch of the call, reads the token's other partial
+    rows and writes its output, so the merge launch skips it. In the returned arrays:
+
+    - finished tokens come last in ``merge_tokens`` (the merge launch takes the first
+      ``len(merge_tokens) - count``), the order of the others unchanged;
+    - a finished token's leaf slot has ``q_out = -2 - i`` (``i`` its index in
+      ``merge_tokens``), and its own partial row is the last of
+      ``merge_partials[merge_indptr[i] : merge_indptr[i + 1]]``: the row it writes when the
+      leaf launch does not finish (concurrent tile groups, the 16-row tile instead of the leaf
+      kernel; then the merge takes every token).
+
+    Worked example: token 5 has partial rows 3 (root item) and 4 (leaf item), token 6 rows 5
+    and 6, both in leaf items: token 5 is finished, ``merge_tokens`` [6, 5], ``merge_indptr``
+    [0, 2, 4], ``merge_partials`` [5, 6, 3, 4], and the leaf slot of token 5 has q_out -3.
+    """
+    m_count = len(host.merge_tokens)
+    if m_count == 0 or not leaf_items.any():
+        return host, 0
+    q_out = host.q_out.astype(np.int64)
+    item_of_slot = np.repeat(np.arange(len(host.kv_len)), np.diff(host.q_indptr))
+    tok2m = np.full(num_tokens, -1, dtype=np.int64)
+    tok2m[host.merge_tokens] = np.arange(m_count)
+    leaf_part = np.flatnonzero(leaf_items[item_of_slot] & (q_out >= 0))
+    leaf_m = tok2m[host.q_tokens[leaf_part]]
+    per_token = np.bincount(leaf_m, minlength=m_count)
+    finished = per_token == 1
+    count = int(finished.sum())
+    if count == 0:
+        return host, 0
+    # New merge order: open tokens first, then finished ones (each keeps its relative order).
+    perm = np.concatenate((np.flatnonzero(~finished), np.flatnonzero(finished)))
+    rank = np.empty(m_count, dtype=np.int64)
+    rank[perm] = np.arange(m_count)
+    sizes = np.diff(host.merge_indptr.astype(np.int64))
+    seg = np.repeat(np.arange(m_count), sizes)
+    # The leaf slot's row of a finished token goes last among the token's rows.
+    own_row = np.full(m_count, -1, dtype=np.int64)
+    fin_slots = leaf_part[finished[leaf_m]]
+    own_row[tok2m[host.q_tokens[fin_slots]]] = q_out[fin_slots]
+    rows = host.merge_partials.astype(np.int64)
+    order = np.lexsort((rows == own_row[seg], rank[seg]))
+    q_out[fin_slots] = -2 - rank[tok2m[host.q_tokens[fin_slots]]]
+    i32 = np.int32
+    new = dataclasses.replace(
+        host,
+        q_out=q_out.astype(i32),
+        merge_tokens=host.merge_tokens[perm].astype(i32),
+        merge_indptr=np.concatenate(([0], np.cumsum(sizes[perm]))).astype(i32),
+        merge_partials=rows[order].astype(i32),
+    )
+    return new, count

@@ -95,11 +95,15 @@ class LaunchPlan:
         whole item are never emitted.
     q_out: [Q]
         For each query slot, the partial row it writes, or -1 when the slot is the token's
-        only one (the item then writes the final output directly).
+        only one (the item then writes the final output directly), or ``-2 - i`` when the
+        slot's leaf item finishes merged token ``i`` (``num_finished``): it merges the token's
+        other partial rows itself, or, when the launcher does not let it, writes the last row
+        of the token's ``merge_partials``.
     tile_id: [W]
         Index into ``tiles`` of the (m, n) tile the item runs with.
     merge_tokens: [M]
-        Tokens covered by more than one item (the only ones the merge stage touches).
+        Tokens covered by more than one item (the only ones the merge stage touches); the last
+        ``num_finished`` are finished by the leaf launch.
     merge_indptr: [M+1], merge_partials: [num_partials]
         Token ``merge_tokens[i]`` merges partial rows
         ``merge_partials[merge_indptr[i] : merge_indptr[i+1]]``.
@@ -180,6 +184,10 @@ class LaunchPlan:
     fallback_taken: torch.Tensor | None = None
     """bool scalar on ``device``: the check failed (``fallback`` runs, this plan's ``counts``
     were zeroed); None for other plans."""
+    num_finished: int = 0
+    """Merged tokens the leaf launch finishes (the last ``num_finished`` of
+    ``merge_tokens``; see ``prefixattn.packer.finish_in_leaf``): their leaf slot has
+    ``q_out = -2 - i`` for merged token ``i``, and the merge launch takes the others."""
 
     @property
     def total_bytes(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .plan import LaunchPlan
@@ -70,7 +71,14 @@ def run_plan_reference(
         lse = (m + torch.log(denom)).squeeze(-1)
         o = o.reshape(-1, hq, d)
         lse = lse.reshape(-1, hq)
-        dst = torch.as_tensor(h.q_out[s0:s1], dtype=torch.long, device=dev)
+        dst_host = h.q_out[s0:s1].astype(np.int64)
+        fin = dst_host <= -2
+        if fin.any():
+            # Slots that finish a merged token in the leaf launch: here their row is the last
+            # of the token's partial rows, merged below with the others.
+            ends = h.merge_indptr[-1 - dst_host[fin]]
+            dst_host[fin] = h.merge_partials[ends - 1]
+        dst = torch.as_tensor(dst_host, dtype=torch.long, device=dev)
         direct = dst < 0
         if bool(direct.any()):
             out.index_copy_(0, tokens[direct], o[direct].to(out.dtype))

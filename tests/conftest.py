@@ -159,16 +159,35 @@ def check_coverage(plan, batch: Batch) -> None:  # type: ignore[no-untyped-def]
 
 
 def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
-    """Tokens with one slot are written directly; others own distinct partial rows."""
+    """Tokens with one slot are written directly; others own distinct partial rows. Slots that
+    finish a merged token in the leaf launch (q_out = -2 - i) are leaf items' only slots of
+    their tokens, their tokens come last in merge_tokens, and their own rows last in the
+    tokens' partial lists."""
     h = plan.host
     cover = np.bincount(h.q_tokens, minlength=plan.num_tokens)
-    direct = h.q_out < 0
+    q_out = h.q_out.astype(np.int64)
+    fin = q_out <= -2
+    m_count = len(h.merge_tokens)
+    assert int(fin.sum()) == plan.num_finished
+    dec = q_out.copy()
+    if fin.any():
+        idx = -2 - q_out[fin]
+        np.testing.assert_array_equal(h.merge_tokens[idx], h.q_tokens[fin])
+        assert (idx >= m_count - plan.num_finished).all()
+        dec[fin] = h.merge_partials[h.merge_indptr[idx + 1] - 1]
+        item = np.repeat(np.arange(plan.num_work_items), np.diff(h.q_indptr))
+        height = np.repeat([m for m, _ in plan.tiles], np.diff(plan.tile_indptr))[item]
+        assert (height[fin] == 16).all()
+        # No other slot of a finished token is in a 16-row item.
+        others = ~fin & np.isin(h.q_tokens, h.q_tokens[fin])
+        assert (height[others] != 16).all()
+    direct = dec < 0
     np.testing.assert_array_equal(direct, cover[h.q_tokens] == 1)
-    rows = np.sort(h.q_out[~direct])
+    rows = np.sort(dec[~direct])
     np.testing.assert_array_equal(rows, np.arange(plan.num_partials))
-    np.testing.assert_array_equal(h.merge_tokens, np.flatnonzero(cover > 1))
+    np.testing.assert_array_equal(np.sort(h.merge_tokens), np.flatnonzero(cover > 1))
+    owners = np.flatnonzero(~direct)
     for i, t in enumerate(h.merge_tokens):
         parts = h.merge_partials[h.merge_indptr[i] : h.merge_indptr[i + 1]]
-        owners = np.flatnonzero(h.q_out >= 0)
         mine = owners[h.q_tokens[owners] == t]
-        np.testing.assert_array_equal(np.sort(parts), np.sort(h.q_out[mine]))
+        np.testing.assert_array_equal(np.sort(parts), np.sort(dec[mine]))

@@ -410,3 +410,37 @@ def test_few_long_leaf_requests_fill_the_warps(spec, heads):
     pa256 = PrefixAttention(hq, hkv, 256, 16)
     pa256.split_target = 132
     assert len(pa256.plan(table, lens).host.kv_len) <= len(h.kv_len)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["1,256_256,32", "1,4,16,512_1024,256,128,32", "1,16,32,64,256,1024_256,128,64,32,32,32"],
+)
+@pytest.mark.parametrize("heads", [(32, 8), (16, 8), (64, 8)])
+def test_leaf_items_finish_their_merged_tokens(spec: str, heads: tuple[int, int]) -> None:
+    table, lens = tree_batch(spec, 16, seed=0)
+    pa = PrefixAttention(*heads, 128, 16)
+    pa.split_target = 132
+    plan = pa.plan(table, lens)
+    check_merge_layout(plan)
+    if spec == "1,256_256,32":
+        # Every request's leaf is a 16-row item beside the 128-row root: all tokens finish.
+        assert plan.num_finished == plan.num_merge_tokens == 256
+    assert int(plan.counts[-1]) == plan.num_merge_tokens - plan.num_finished
+    pa.finish_in_leaf = False
+    plain = pa.plan(table, lens)
+    check_merge_layout(plain)
+    assert plain.num_finished == 0 and int(plain.counts[-1]) == plain.num_merge_tokens
+    # The same items, slots and partial rows; only the merge order and the markers differ.
+    assert _item_multiset(plan) == _item_multiset(plain)
+    np.testing.assert_array_equal(np.sort(plan.host.merge_tokens), plain.host.merge_tokens)
+    assert plan.num_partials == plain.num_partials
+
+
+def test_no_finishing_without_the_leaf_kernel() -> None:
+    # head_dim 256 has no leaf kernel: every merged token goes through the merge launch.
+    table, lens = tree_batch("1,256_256,32", 16, seed=0)
+    pa = PrefixAttention(32, 8, 256, 16)
+    plan = pa.plan(table, lens)
+    assert plan.num_merge_tokens > 0 and plan.num_finished == 0
+    check_merge_layout(plan)

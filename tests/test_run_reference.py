@@ -132,3 +132,25 @@ def test_requests_without_new_tokens_are_skipped() -> None:
     out, ref = _run(batch, 4, 4, 64, torch.float32, "memory", True)
     assert out.shape[0] == 3
     assert _relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("spec", ["1,256_256,32", "1,4,256_32,256,32"])
+def test_finished_tokens_give_the_same_output(spec: str) -> None:
+    # Plans whose leaf items finish merged tokens (q_out = -2 - i) and plans that merge every
+    # token run the same attention.
+    table, lens = tree_batch(spec, page_size=16)
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d = 32, 8, 128
+    k = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
+    q = torch.randn(len(lens), hq, d, generator=gen, dtype=torch.float64)
+    pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
+    pa.split_target = 132
+    pa.plan(table, lens)
+    assert pa._plan is not None and pa._plan.num_finished > 0
+    out = pa.run(q, k, v)
+    pa.finish_in_leaf = False
+    pa.plan(table, lens)
+    plain = pa.run(q, k, v)
+    ref = attention_reference(q, k, v, torch.as_tensor(table), torch.as_tensor(lens))
+    assert _relative_error(out, ref) < 1e-12 and _relative_error(plain, ref) < 1e-12

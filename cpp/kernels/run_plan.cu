@@ -227,7 +227,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& merge_partials, const at::Tensor& counts,
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
-                   bool concurrent, int64_t fixed_variants, bool chained) {
+                   bool concurrent, int64_t fixed_variants, bool chained, int64_t num_finished,
+                   bool finish) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -258,6 +259,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   for (auto* t : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
+  TORCH_CHECK(num_finished >= 0 && num_finished <= num_merge_tokens,
+              "prefixattn: num_finished (", num_finished, ") must lie in [0, num_merge_tokens = ",
+              num_merge_tokens, "]");
   TORCH_CHECK(tile_indptr.size() == tile_m.size() + 1, "prefixattn: tile_indptr/tile_m mismatch");
   TORCH_CHECK(counts.numel() >= kCountsLen, "prefixattn: counts must hold ", kCountsLen,
               " entries (plan sizes and variant bounds)");
@@ -300,6 +304,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.q_tokens = q_tokens.data_ptr<int32_t>();
   p.q_limit = q_limit.data_ptr<int32_t>();
   p.q_out = q_out.data_ptr<int32_t>();
+  p.merge_indptr = merge_indptr.data_ptr<int32_t>();
+  p.merge_partials = merge_partials.data_ptr<int32_t>();
   p.q_stride_t = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.o_stride_t = out.stride(0);
@@ -361,7 +367,6 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // Serial: every group on the caller's stream. Concurrent: the first group there, the others
   // on side streams forked from it and joined back before the merge (a graph capture follows
   // the fork and the joins).
-  const bool merge_runs = fixed ? fixed_launches(kNumVariants) : num_merge_tokens > 0;
   const GroupStreams* groups = nullptr;
   if (concurrent && num_launches > 1) {
     int device = 0;
@@ -371,6 +376,15 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
   // Chained launches: only serial groups, all on the caller's stream.
   const bool chain = chained && groups == nullptr;
+  // The leaf launch finishes the plan's finished tokens when it runs after every other forward
+  // launch: serial groups, the leaf kernel, and a plan with such tokens (under a fixed grid, any
+  // plan may have them). Otherwise their slots write partial rows and the merge takes them.
+  const bool finishing = finish && groups == nullptr && D <= 128 && leaf_kernel_enabled() &&
+                         (fixed || num_finished > 0);
+  if (finishing) std::reverse(launches, launches + num_launches);
+  p.finish = finishing ? 1 : 0;
+  const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
+  const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
   for (int i = 0; i < num_launches; ++i) {
     const int v = launches[i];
     p.variant = v;
@@ -409,7 +423,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     // The merge follows a forward launch of this run on the caller's stream (unless the plan
     // had none).
     const bool link = chain && num_launches > 0;
-    const int num_merge = fixed ? -1 : static_cast<int>(num_merge_tokens);
+    mp.finish = p.finish;
+    const int num_merge = fixed ? -1 : static_cast<int>(merge_tokens_run);
     if (q.scalar_type() == at::kHalf)
       launch_merge<half>(mp, D, num_merge, stream, link);
     else

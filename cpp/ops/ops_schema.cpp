@@ -12,7 +12,9 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // concurrent runs the tile groups on forked streams instead of one after another;
   // fixed_variants (-1: all) limits the plan-independent launches to the forward variants of
   // its bits 0-3 and the merge (bit 4), for a plan known never to use the others; chained
-  // lets each launch after the first start while the one before it drains (serial groups).
+  // lets each launch after the first start while the one before it drains (serial groups);
+  // finish lets the leaf launch run last and finish the plan's num_finished merged tokens
+  // (q_out = -2 - i), the merge launch taking the others (counts[kCountMergeOpen]).
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
@@ -20,5 +22,5 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
       "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
-      "int fixed_variants=-1, bool chained=False) -> ()");
+      "int fixed_variants=-1, bool chained=False, int num_finished=0, bool finish=False) -> ()");
 }

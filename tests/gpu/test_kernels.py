@@ -206,6 +206,47 @@ def test_chained_launches_match_serial(fixed_grid):
             assert torch.equal(outs[0], out), spec
 
 
+@pytest.mark.parametrize("mode", ["finish", "merge_all", "unchained", "concurrent", "fixed",
+                                  "tile16"])  # fmt: skip
+def test_leaf_launch_finishes_merged_tokens(mode, monkeypatch):
+    # Plans whose leaf items finish merged tokens (all of them in 1,256_256,32; some in a
+    # random forest with speculative runs) against the reference, with the leaf launch
+    # finishing them (last launch, chained or not, or under a fixed grid), and with the merge
+    # taking every token (finish off, concurrent groups, the 16-row tile instead of the leaf
+    # kernel). Partial rows are poisoned, so a finisher that read one before its launch wrote
+    # it, or a merge that read a finished token's unwritten row, writes NaN.
+    if mode == "tile16":
+        monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", "0")
+    rng = np.random.default_rng(12)
+    forest = random_forest(rng, 16, 60, 40, 97)  # 80 of 101 merged tokens finish
+    qo_forest = np.minimum(rng.integers(1, 4, size=60), forest[1]).astype(np.int32)
+    batches = [(*tree_batch("1,256_256,32", 16, seed=4), None), (*forest[:2], qo_forest)]
+    for table, lens, qo in batches:
+        qo = np.ones(len(lens), dtype=np.int32) if qo is None else qo
+        qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        num_pages = int(table.max()) + 1
+        gen = torch.Generator(device=DEV).manual_seed(4)
+        k, v = make_cache(num_pages, 16, 8, 128, torch.bfloat16, "NHD", False, gen)
+        q = torch.randn(int(qo_indptr[-1]), 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        pa = prefixattn.PrefixAttention(32, 8, 128, 16, device=DEV, dtype=torch.bfloat16)
+        pa.one_launch_in_one_wave = False
+        plan = pa.plan(table, lens, qo_indptr)
+        assert 0 < plan.num_finished, plan.summary()
+        ws = _ops.Workspace(DEV, torch.bfloat16)
+        ws.reserve(plan.num_partials, 32, 128, torch.bfloat16)
+        ws.partial_o.fill_(float("nan"))
+        ws.partial_lse.fill_(float("nan"))
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws, chained=mode != "unchained",
+                           fixed_grid=mode == "fixed", concurrent=mode == "concurrent",
+                           finish=mode != "merge_all")  # fmt: skip
+        ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", 0.1)
+        assert not torch.isnan(out).any(), f"{mode}: unwritten output or early-read partials"
+        err = (out.float() - ref).abs().max().item()
+        tol = 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
+        assert err <= tol, f"{mode}: max error {err} > {tol} ({plan.summary()})"
+
+
 @pytest.mark.parametrize("split_kv", [False, True])
 def test_long_kv(split_kv):
     # One 4097-token request next to short ones: the split path and many KV tiles.

@@ -32,7 +32,10 @@ constexpr int kNumVariants = 4;       // query-tile heights 16, 32, 64, 128
 // items whose rows fit that many times in 16 rows (one decode token of a small GQA group)
 // stack the heads' rows in one tile and stream the heads' KV one after another.
 constexpr int kCountPackedHeads = kVariantBase + kNumVariants + 1;
-constexpr int kCountsLen = kCountPackedHeads + 1;
+// Merged tokens the merge launch takes when the leaf launch finishes the others (the last
+// entries of merge_tokens; ForwardParams::finish).
+constexpr int kCountMergeOpen = kCountPackedHeads + 1;
+constexpr int kCountsLen = kCountMergeOpen + 1;
 
 // Division by a divisor fixed for a launch (GQA group size, page size),
 // for dividends 0 <= n < 2^31 and divisors 1 <= d < 2^31: with s = ceil(log2 d) and
@@ -69,7 +72,11 @@ struct ForwardParams {
   const int32_t* q_indptr;
   const int32_t* q_tokens;
   const int32_t* q_limit;
+  // Per slot: its partial row (>= 0), -1 (the output), or -2 - i: a leaf slot that finishes
+  // merged token i (slot_dst).
   const int32_t* q_out;
+  const int32_t* merge_indptr;
+  const int32_t* merge_partials;
   const int32_t* counts;  // kCountsLen entries (layout above)
   int64_t q_stride_t, q_stride_h;
   int64_t o_stride_t, o_stride_h;
@@ -85,6 +92,9 @@ struct ForwardParams {
   int variant;         // which group of items this launch runs
   int prefetch_tiles;  // > 0: prefetch the KV tile this many tiles ahead of the copies into L2
   int chain_next;      // 1: the next launch of the run is chained to this one (ChainLink)
+  // 1: the leaf launch runs after every other forward launch and finishes the merged tokens
+  // of its slots with q_out <= -2 (leaf_forward.cuh); 0: those slots write a partial row.
+  int finish;
   float scale_log2;    // softmax scale * log2(e)
 };
 
@@ -99,6 +109,7 @@ struct MergeParams {
   int64_t o_stride_t, o_stride_h;
   int num_qo_heads;
   int vec_out;  // 1: out rows are 16-byte aligned (16-byte stores), else 4-byte stores
+  int finish;   // 1: the leaf launch finished the last merged tokens; merge the others only
 };
 
 namespace detail {
@@ -134,6 +145,14 @@ struct ChainLink {
     if (blockIdx.x == 0) chain_wait_prev();
   }
 };
+
+// Where a query slot's row goes: its partial row (>= 0) or the output (-1). A leaf slot that
+// finishes merged token i (q_out = -2 - i) keeps that value when the launch finishes tokens,
+// and otherwise writes the last of the token's partial rows (the merge then takes the token).
+__device__ __forceinline__ int slot_dst(const ForwardParams& p, int slot) {
+  const int d = p.q_out[slot];
+  return d >= -1 || p.finish ? d : p.merge_partials[p.merge_indptr[-1 - d] - 1];
+}
 
 constexpr int kTileN = 64;
 constexpr int kPad = 8;  // halfs of padding per smem KV row: rows 16 B apart mod 128 B
@@ -432,7 +451,7 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
     const int rs = p.group_div.div(r);
     int slot = slot0 + rs;
     int head = kv_head * g + (r - rs * g);
-    int dst = p.q_out[slot];
+    int dst = slot_dst(p, slot);
     T* o = dst < 0 ? static_cast<T*>(p.out) + p.q_tokens[slot] * p.o_stride_t + head * p.o_stride_h
                    : static_cast<T*>(p.partial_o) + (static_cast<int64_t>(dst) * p.num_qo_heads + head) * D;
 #pragma unroll
@@ -522,7 +541,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int hq = p.num_qo_heads;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int kWarps = kMergeThreads / 32;
-  const int total = p.counts[kCountMergeTokens];
+  const int total = p.counts[p.finish ? kCountMergeOpen : kCountMergeTokens];
   const int grid_warps = static_cast<int>(gridDim.x) * kWarps;
   if (static_cast<int64_t>(total) * hq <= grid_warps) {
     const int w = static_cast<int>(blockIdx.x) * kWarps + warp;
@@ -867,7 +886,7 @@ struct RowSlots {
         const int t = p.group_div.div(r);
         const int slot = d.slot0 + t;
         qlim[h] = p.q_limit[slot];
-        dst[h] = p.q_out[slot];
+        dst[h] = slot_dst(p, slot);
         tok[h] = p.q_tokens[slot];
         head[h] = (d.kv_head + s) * p.group_size + r - t * p.group_size;
         sub[h] = s;

@@ -200,7 +200,7 @@ template <typename T, int D>
 struct LeafRows {
   static constexpr int kKC = D / 16;
   int lim[2];          // keys rows r0 + 2t, r0 + 2t + 1 see (0 past the pair's rows)
-  int dst, tok, head;  // row r0 + g: partial row (-1: output), token, query head; tok < 0: none
+  int dst, tok, head;  // row r0 + g: slot_dst, token, query head; tok < 0: none
   uint32_t qb[kKC][2];  // q^T B fragments of row r0 + g
 
   __device__ __forceinline__ void load(const ForwardParams& p, const LeafDesc& d, int r0,
@@ -220,7 +220,7 @@ struct LeafRows {
     if (r < d.rows) {
       const int tq = p.group_div.div(r);
       const int slot = d.slot0 + tq;
-      dst = p.q_out[slot];
+      dst = slot_dst(p, slot);
       tok = p.q_tokens[slot];
       head = d.kv_head * p.group_size + (r - tq * p.group_size);
       const T* q = static_cast<const T*>(p.q) + tok * p.q_stride_t + head * p.q_stride_h + 2 * t;
@@ -238,6 +238,63 @@ struct LeafRows {
     }
   }
 };
+
+// A row that finishes merged token `fin` (ForwardParams::finish): its own normalised output
+// (w, as the epilogue packs it: dims 2t, 2t + 1 of each 8-dim half of every 16-dim block),
+// with log-sum-exp gm + log2(gl) in log2 units, merged with the token's other partial rows
+// (all of the token's rows in merge_partials but the last, which is this slot's own) by
+// log-sum-exp, in fp32, in place. The other rows come from launches that ran before this one
+// (the caller has waited for them).
+template <typename T, int D>
+__device__ __forceinline__ void leaf_finish_row(const ForwardParams& p, int fin, int head,
+                                                float gm, float gl, uint32_t (&w)[D / 16][2],
+                                                int t) {
+  constexpr int kMB = D / 16;
+  const int hq = p.num_qo_heads;
+  const int begin = p.merge_indptr[fin], end = p.merge_indptr[fin + 1] - 1;
+  float mx = gl > 0.f ? gm + log2f(gl) : -INFINITY;
+  float sum = gl > 0.f ? 1.f : 0.f;
+  float acc[kMB][4];
+#pragma unroll
+  for (int mb = 0; mb < kMB; ++mb) {
+    const float2 a = Vec<T>::to_float2(w[mb][0]), b = Vec<T>::to_float2(w[mb][1]);
+    acc[mb][0] = a.x;
+    acc[mb][1] = a.y;
+    acc[mb][2] = b.x;
+    acc[mb][3] = b.y;
+  }
+  for (int j = begin; j < end; ++j) {
+    const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * hq + head;
+    const float lse = __ldcg(p.partial_lse + row) * 1.4426950408889634f;
+    const T* src = static_cast<const T*>(p.partial_o) + row * D + 2 * t;
+    uint32_t x[kMB][2];
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb) {
+      x[mb][0] = __ldcg(reinterpret_cast<const unsigned int*>(src + mb * 16));
+      x[mb][1] = __ldcg(reinterpret_cast<const unsigned int*>(src + mb * 16 + 8));
+    }
+    if (lse == -INFINITY) continue;  // that partial saw no key
+    const float nm = fmaxf(mx, lse);
+    const float sc = mx == -INFINITY ? 0.f : exp2f(mx - nm);
+    const float wj = exp2f(lse - nm);
+    sum = sum * sc + wj;
+    mx = nm;
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb) {
+      const float2 a = Vec<T>::to_float2(x[mb][0]), b = Vec<T>::to_float2(x[mb][1]);
+      acc[mb][0] = acc[mb][0] * sc + wj * a.x;
+      acc[mb][1] = acc[mb][1] * sc + wj * a.y;
+      acc[mb][2] = acc[mb][2] * sc + wj * b.x;
+      acc[mb][3] = acc[mb][3] * sc + wj * b.y;
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int mb = 0; mb < kMB; ++mb) {
+    w[mb][0] = pack2<T>(acc[mb][0] * inv, acc[mb][1] * inv);
+    w[mb][1] = pack2<T>(acc[mb][2] * inv, acc[mb][3] * inv);
+  }
+}
 
 // One pair on one warp: its KV tiles against NC blocks of 8 columns (NC = 1: up to 8 query
 // rows, NC = 2: up to 16), then its rows out. `stage` is the warp's stage of the pair's first
@@ -365,6 +422,11 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
       w[mb][1] = movmatrix_trans(pack2<T>(o[c][mb][2] * inv0, o[c][mb][3] * inv1));
     }
     const LeafRows<T, D>& r = rw(c);
+    // Rows that finish a merged token read partial rows of the launches before this one:
+    // wait for them (once they are done, the wait returns at once).
+    const bool fin = r.tok >= 0 && r.dst <= -2;
+    if (__any_sync(0xffffffffu, fin)) chain_wait_prev();
+    if (fin) leaf_finish_row<T, D>(p, -2 - r.dst, r.head, gm, gl, w, t);
     if (r.tok >= 0) {
       T* out = r.dst < 0 ? static_cast<T*>(p.out) + r.tok * p.o_stride_t + r.head * p.o_stride_h
                          : static_cast<T*>(p.partial_o) +
