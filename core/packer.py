@@ -470,7 +470,7 @@ def finish_in_leaf(
     perm = np.concatenate((np.flatnonzero(~finished), np.flatnonzero(finished)))
     rank = np.empty(m_count, dtype=np.int64)
     rank[perm] = np.arange(m_count)
-    sizes = np.diff(host.merge_indptr.astype(np.int64))
+    sizes: np.ndarray = np.diff(host.merge_indptr).astype(np.int64)
     seg = np.repeat(np.arange(m_count), sizes)
     # The leaf slot's row of a finished token goes last among the token's rows.
     own_row = np.full(m_count, -1, dtype=np.int64)
