@@ -60,6 +60,9 @@ SPLIT_SLACK = 2
 # SM: 2 blocks of 4 warps, one pair per warp. The split rule counts the SMs that many times for
 # chunks of that height, so a launch of few long leaf pairs is cut until every warp has one.
 LEAF_PAIRS_PER_SM = 8
+# A merged token the leaf launch finishes has at most this many other partial rows (its q_out
+# holds the count in 4 bits; see finish_in_leaf).
+MAX_FINISH_OTHERS = 15
 
 
 def pairs_per_sm(m: int, head_dim: int) -> int:
@@ -442,15 +445,17 @@ def finish_in_leaf(
 
     - finished tokens come last in ``merge_tokens`` (the merge launch takes the first
       ``len(merge_tokens) - count``), the order of the others unchanged;
-    - a finished token's leaf slot has ``q_out = -2 - i`` (``i`` its index in
-      ``merge_tokens``), and its own partial row is the last of
-      ``merge_partials[merge_indptr[i] : merge_indptr[i + 1]]``: the row it writes when the
-      leaf launch does not finish (concurrent tile groups, the 16-row tile instead of the leaf
-      kernel; then the merge takes every token).
+    - a finished token's own partial row (the one its leaf slot writes when the leaf launch
+      does not finish: concurrent tile groups, the 16-row tile instead of the leaf kernel;
+      then the merge takes every token) is the last of its rows in ``merge_partials``, at
+      position ``j``, its ``n`` other rows (1-15) just before it; its leaf slot has
+      ``q_out = -2 - (16 * j + n)``, so the leaf kernel finds the other rows without reading
+      ``merge_indptr``. Tokens with more than 15 other rows stay with the merge launch.
 
     Worked example: token 5 has partial rows 3 (root item) and 4 (leaf item), token 6 rows 5
     and 6, both in leaf items: token 5 is finished, ``merge_tokens`` [6, 5], ``merge_indptr``
-    [0, 2, 4], ``merge_partials`` [5, 6, 3, 4], and the leaf slot of token 5 has q_out -3.
+    [0, 2, 4], ``merge_partials`` [5, 6, 3, 4], and the leaf slot of token 5 has q_out
+    -2 - (16 * 3 + 1) = -51.
     """
     m_count = len(host.merge_tokens)
     if m_count == 0 or not leaf_items.any():
@@ -462,7 +467,10 @@ def finish_in_leaf(
     leaf_part = np.flatnonzero(leaf_items[item_of_slot] & (q_out >= 0))
     leaf_m = tok2m[host.q_tokens[leaf_part]]
     per_token = np.bincount(leaf_m, minlength=m_count)
-    finished = per_token == 1
+    sizes: np.ndarray = np.diff(host.merge_indptr).astype(np.int64)
+    finished = (per_token == 1) & (sizes <= MAX_FINISH_OTHERS + 1)
+    if len(host.merge_partials) >= 2**27:  # 16 * j + n must fit in int32
+        return host, 0
     count = int(finished.sum())
     if count == 0:
         return host, 0
@@ -470,7 +478,6 @@ def finish_in_leaf(
     perm = np.concatenate((np.flatnonzero(~finished), np.flatnonzero(finished)))
     rank = np.empty(m_count, dtype=np.int64)
     rank[perm] = np.arange(m_count)
-    sizes: np.ndarray = np.diff(host.merge_indptr).astype(np.int64)
     seg = np.repeat(np.arange(m_count), sizes)
     # The leaf slot's row of a finished token goes last among the token's rows.
     own_row = np.full(m_count, -1, dtype=np.int64)
@@ -478,13 +485,16 @@ def finish_in_leaf(
     own_row[tok2m[host.q_tokens[fin_slots]]] = q_out[fin_slots]
     rows = host.merge_partials.astype(np.int64)
     order = np.lexsort((rows == own_row[seg], rank[seg]))
-    q_out[fin_slots] = -2 - rank[tok2m[host.q_tokens[fin_slots]]]
+    indptr = np.concatenate(([0], np.cumsum(sizes[perm])))
+    fin_rank = rank[tok2m[host.q_tokens[fin_slots]]]
+    own_pos = indptr[fin_rank + 1] - 1
+    q_out[fin_slots] = -2 - (16 * own_pos + sizes[perm][fin_rank] - 1)
     i32 = np.int32
     new = dataclasses.replace(
         host,
         q_out=q_out.astype(i32),
         merge_tokens=host.merge_tokens[perm].astype(i32),
-        merge_indptr=np.concatenate(([0], np.cumsum(sizes[perm]))).astype(i32),
+        merge_indptr=indptr.astype(i32),
         merge_partials=rows[order].astype(i32),
     )
     return new, count

@@ -95,10 +95,10 @@ class LaunchPlan:
         whole item are never emitted.
     q_out: [Q]
         For each query slot, the partial row it writes, or -1 when the slot is the token's
-        only one (the item then writes the final output directly), or ``-2 - i`` when the
-        slot's leaf item finishes merged token ``i`` (``num_finished``): it merges the token's
-        other partial rows itself, or, when the launcher does not let it, writes the last row
-        of the token's ``merge_partials``.
+        only one (the item then writes the final output directly), or ``-2 - (16 * j + n)``
+        when the slot's leaf item finishes its token (``num_finished``): it merges the
+        token's ``n`` other partial rows ``merge_partials[j - n : j]`` itself, or, when the
+        launcher does not let it, writes row ``merge_partials[j]``.
     tile_id: [W]
         Index into ``tiles`` of the (m, n) tile the item runs with.
     merge_tokens: [M]
@@ -187,7 +187,7 @@ class LaunchPlan:
     num_finished: int = 0
     """Merged tokens the leaf launch finishes (the last ``num_finished`` of
     ``merge_tokens``; see ``prefixattn.packer.finish_in_leaf``): their leaf slot has
-    ``q_out = -2 - i`` for merged token ``i``, and the merge launch takes the others."""
+    ``q_out <= -2``, and the merge launch takes the others."""
 
     @property
     def total_bytes(self) -> int:

@@ -76,8 +76,7 @@ def run_plan_reference(
         if fin.any():
             # Slots that finish a merged token in the leaf launch: here their row is the last
             # of the token's partial rows, merged below with the others.
-            ends = h.merge_indptr[-1 - dst_host[fin]]
-            dst_host[fin] = h.merge_partials[ends - 1]
+            dst_host[fin] = h.merge_partials[(-2 - dst_host[fin]) >> 4]
         dst = torch.as_tensor(dst_host, dtype=torch.long, device=dev)
         direct = dst < 0
         if bool(direct.any()):

@@ -160,9 +160,9 @@ def check_coverage(plan, batch: Batch) -> None:  # type: ignore[no-untyped-def]
 
 def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
     """Tokens with one slot are written directly; others own distinct partial rows. Slots that
-    finish a merged token in the leaf launch (q_out = -2 - i) are leaf items' only slots of
-    their tokens, their tokens come last in merge_tokens, and their own rows last in the
-    tokens' partial lists."""
+    finish a merged token in the leaf launch (q_out = -2 - (16 * j + n)) are leaf items' only
+    slots of their tokens, their tokens come last in merge_tokens, and their own rows last in
+    the tokens' partial lists (at j, after the n others)."""
     h = plan.host
     cover = np.bincount(h.q_tokens, minlength=plan.num_tokens)
     q_out = h.q_out.astype(np.int64)
@@ -171,10 +171,14 @@ def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
     assert int(fin.sum()) == plan.num_finished
     dec = q_out.copy()
     if fin.any():
-        idx = -2 - q_out[fin]
+        code = -2 - q_out[fin]
+        pos, n = code >> 4, code & 15
+        idx = np.searchsorted(h.merge_indptr, pos, side="right") - 1
+        np.testing.assert_array_equal(h.merge_indptr[idx + 1] - 1, pos)  # own row last
+        np.testing.assert_array_equal(h.merge_indptr[idx + 1] - h.merge_indptr[idx] - 1, n)
         np.testing.assert_array_equal(h.merge_tokens[idx], h.q_tokens[fin])
-        assert (idx >= m_count - plan.num_finished).all()
-        dec[fin] = h.merge_partials[h.merge_indptr[idx + 1] - 1]
+        assert (idx >= m_count - plan.num_finished).all() and (n >= 1).all()
+        dec[fin] = h.merge_partials[pos]
         item = np.repeat(np.arange(plan.num_work_items), np.diff(h.q_indptr))
         height = np.repeat([m for m, _ in plan.tiles], np.diff(plan.tile_indptr))[item]
         assert (height[fin] == 16).all()

@@ -72,8 +72,9 @@ struct ForwardParams {
   const int32_t* q_indptr;
   const int32_t* q_tokens;
   const int32_t* q_limit;
-  // Per slot: its partial row (>= 0), -1 (the output), or -2 - i: a leaf slot that finishes
-  // merged token i (slot_dst).
+  // Per slot: its partial row (>= 0), -1 (the output), or -2 - (16 j + n): a leaf slot that
+  // finishes its token, whose n other partial rows are merge_partials[j - n .. j - 1] and
+  // whose own row is merge_partials[j] (slot_dst).
   const int32_t* q_out;
   const int32_t* merge_indptr;
   const int32_t* merge_partials;
@@ -147,11 +148,11 @@ struct ChainLink {
 };
 
 // Where a query slot's row goes: its partial row (>= 0) or the output (-1). A leaf slot that
-// finishes merged token i (q_out = -2 - i) keeps that value when the launch finishes tokens,
-// and otherwise writes the last of the token's partial rows (the merge then takes the token).
+// finishes its token (q_out = -2 - (16 j + n)) keeps that value when the launch finishes
+// tokens, and otherwise writes its own row merge_partials[j] (the merge then takes the token).
 __device__ __forceinline__ int slot_dst(const ForwardParams& p, int slot) {
   const int d = p.q_out[slot];
-  return d >= -1 || p.finish ? d : p.merge_partials[p.merge_indptr[-1 - d] - 1];
+  return d >= -1 || p.finish ? d : p.merge_partials[(-2 - d) >> 4];
 }
 
 constexpr int kTileN = 64;

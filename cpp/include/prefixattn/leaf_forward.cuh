@@ -201,6 +201,7 @@ struct LeafRows {
   static constexpr int kKC = D / 16;
   int lim[2];          // keys rows r0 + 2t, r0 + 2t + 1 see (0 past the pair's rows)
   int dst, tok, head;  // row r0 + g: slot_dst, token, query head; tok < 0: none
+  int other;           // dst <= -2 (the row finishes its token): the first other partial row
   uint32_t qb[kKC][2];  // q^T B fragments of row r0 + g
 
   __device__ __forceinline__ void load(const ForwardParams& p, const LeafDesc& d, int r0,
@@ -221,6 +222,11 @@ struct LeafRows {
       const int tq = p.group_div.div(r);
       const int slot = d.slot0 + tq;
       dst = slot_dst(p, slot);
+      other = 0;
+      if (dst <= -2) {
+        const int code = -2 - dst;
+        other = p.merge_partials[(code >> 4) - (code & 15)];
+      }
       tok = p.q_tokens[slot];
       head = d.kv_head * p.group_size + (r - tq * p.group_size);
       const T* q = static_cast<const T*>(p.q) + tok * p.q_stride_t + head * p.q_stride_h + 2 * t;
@@ -239,19 +245,20 @@ struct LeafRows {
   }
 };
 
-// A row that finishes merged token `fin` (ForwardParams::finish): its own normalised output
-// (w, as the epilogue packs it: dims 2t, 2t + 1 of each 8-dim half of every 16-dim block),
-// with log-sum-exp gm + log2(gl) in log2 units, merged with the token's other partial rows
-// (all of the token's rows in merge_partials but the last, which is this slot's own) by
-// log-sum-exp, in fp32, in place. The other rows come from launches that ran before this one
-// (the caller has waited for them).
+// A row that finishes its token (ForwardParams::finish; q_out = -2 - (16 j + n)): its own
+// normalised output (w, as the epilogue packs it: dims 2t, 2t + 1 of each 8-dim half of every
+// 16-dim block), with log-sum-exp gm + log2(gl) in log2 units, merged in place with the
+// token's n other partial rows merge_partials[j - n .. j - 1] (`other` is the first, loaded
+// with the row's slot a pair ahead) by log-sum-exp, in fp32. The other rows come from
+// launches that ran before this one (the caller has waited for them).
 template <typename T, int D>
-__device__ __forceinline__ void leaf_finish_row(const ForwardParams& p, int fin, int head,
-                                                float gm, float gl, uint32_t (&w)[D / 16][2],
-                                                int t) {
+__device__ __forceinline__ void leaf_finish_row(const ForwardParams& p, int dst, int other,
+                                                int head, float gm, float gl,
+                                                uint32_t (&w)[D / 16][2], int t) {
   constexpr int kMB = D / 16;
   const int hq = p.num_qo_heads;
-  const int begin = p.merge_indptr[fin], end = p.merge_indptr[fin + 1] - 1;
+  const int code = -2 - dst;
+  const int n = code & 15, first = (code >> 4) - n;
   float mx = gl > 0.f ? gm + log2f(gl) : -INFINITY;
   float sum = gl > 0.f ? 1.f : 0.f;
   float acc[kMB][4];
@@ -263,8 +270,9 @@ __device__ __forceinline__ void leaf_finish_row(const ForwardParams& p, int fin,
     acc[mb][2] = b.x;
     acc[mb][3] = b.y;
   }
-  for (int j = begin; j < end; ++j) {
-    const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * hq + head;
+  for (int k = 0; k < n; ++k) {
+    const int64_t row =
+        static_cast<int64_t>(k == 0 ? other : p.merge_partials[first + k]) * hq + head;
     const float lse = __ldcg(p.partial_lse + row) * 1.4426950408889634f;
     const T* src = static_cast<const T*>(p.partial_o) + row * D + 2 * t;
     uint32_t x[kMB][2];
@@ -426,7 +434,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
     // wait for them (once they are done, the wait returns at once).
     const bool fin = r.tok >= 0 && r.dst <= -2;
     if (__any_sync(0xffffffffu, fin)) chain_wait_prev();
-    if (fin) leaf_finish_row<T, D>(p, -2 - r.dst, r.head, gm, gl, w, t);
+    if (fin) leaf_finish_row<T, D>(p, r.dst, r.other, r.head, gm, gl, w, t);
     if (r.tok >= 0) {
       T* out = r.dst < 0 ? static_cast<T*>(p.out) + r.tok * p.o_stride_t + r.head * p.o_stride_h
                          : static_cast<T*>(p.partial_o) +
