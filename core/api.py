@@ -20,7 +20,14 @@ from .buffers import (
 )
 from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
-from .packer import MIN_SPLIT_TOKENS, PACKINGS, BatchShape, finish_in_leaf, pack
+from .packer import (
+    LEAF_PAIRS_PER_SM,
+    MIN_SPLIT_TOKENS,
+    PACKINGS,
+    BatchShape,
+    finish_in_leaf,
+    pack,
+)
 from .plan import LaunchPlan, PlanArrays
 from .reference import run_plan_reference
 from .tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
@@ -638,7 +645,10 @@ class PrefixAttention:
             for t, (m, _) in enumerate(tiles):
                 if m == VARIANT_ROWS[0]:
                     leaf[tile_indptr[t] : tile_indptr[t + 1]] = True
-            host, num_finished = finish_in_leaf(host, leaf, int(indptr[-1]))
+            sms = target if target > 0 else _split_target(self.device)
+            host, num_finished = finish_in_leaf(
+                host, leaf, int(indptr[-1]), self.num_kv_heads, sms * LEAF_PAIRS_PER_SM
+            )
         _check_pages(host.kv_pages, table, lens, indptr, self.page_size)
         num_tokens = int(indptr[-1])
         max_page_id = int(host.kv_pages.max(initial=-1))

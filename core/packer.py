@@ -63,6 +63,10 @@ LEAF_PAIRS_PER_SM = 8
 # A merged token the leaf launch finishes has at most this many other partial rows (its q_out
 # holds the count in 4 bits; see finish_in_leaf).
 MAX_FINISH_OTHERS = 15
+# The leaf launch finishes tokens only where its warps run at most this many pairs each, or
+# pairs of at least this many 16-token tiles on average (docs/kernel-notes.md, v25).
+FINISH_MAX_PAIRS_PER_WARP = 2
+FINISH_MIN_TILES_PER_PAIR = 8
 
 
 def pairs_per_sm(m: int, head_dim: int) -> int:
@@ -434,11 +438,20 @@ def pack(
 
 
 def finish_in_leaf(
-    host: PlanArrays, leaf_items: np.ndarray, num_tokens: int
+    host: PlanArrays,
+    leaf_items: np.ndarray,
+    num_tokens: int,
+    num_kv_heads: int,
+    leaf_warps: int,
 ) -> tuple[PlanArrays, int]:
     """Let the leaf launch finish the merged tokens it can; returns the arrays and their count.
 
-    ``leaf_items``: bool [W], the items the leaf kernel runs (16-row tiles at head_dim <= 128).
+    ``leaf_items``: bool [W], the items the leaf kernel runs (16-row tiles at head_dim <= 128);
+    ``leaf_warps``: the warps its launch runs at once (SMs x ``LEAF_PAIRS_PER_SM``).
+    Finishing puts a round trip per other partial row on each leaf pair's path, and makes the
+    leaf launch wait for the others, so it is used only where a warp runs few pairs (at most
+    ``FINISH_MAX_PAIRS_PER_WARP``) or long ones (at least ``FINISH_MIN_TILES_PER_PAIR``
+    16-token tiles on average); otherwise the plan is returned unchanged.
     A merged token with exactly one slot in a leaf item is *finished* by that item: the leaf
     launch runs after every other forward launch of the call, reads the token's other partial
     rows and writes its output, so the merge launch skips it. In the returned arrays:
@@ -459,6 +472,10 @@ def finish_in_leaf(
     """
     m_count = len(host.merge_tokens)
     if m_count == 0 or not leaf_items.any():
+        return host, 0
+    pairs = int(leaf_items.sum()) * num_kv_heads
+    tiles = int((-(-host.kv_len[leaf_items].astype(np.int64) // 16)).sum()) * num_kv_heads
+    if pairs > FINISH_MAX_PAIRS_PER_WARP * leaf_warps and tiles < FINISH_MIN_TILES_PER_PAIR * pairs:
         return host, 0
     q_out = host.q_out.astype(np.int64)
     item_of_slot = np.repeat(np.arange(len(host.kv_len)), np.diff(host.q_indptr))
