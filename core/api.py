@@ -645,7 +645,7 @@ class PrefixAttention:
             for t, (m, _) in enumerate(tiles):
                 if m == VARIANT_ROWS[0]:
                     leaf[tile_indptr[t] : tile_indptr[t + 1]] = True
-            sms = target if target > 0 else _split_target(self.device)
+            sms = _split_target(self.device)
             host, num_finished = finish_in_leaf(
                 host, leaf, int(indptr[-1]), self.num_kv_heads, sms * LEAF_PAIRS_PER_SM
             )
