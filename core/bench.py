@@ -364,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ablations is not None:
             variants += [(n, ABLATIONS[n]) for n in args.ablations or ABLATIONS]
         calls: dict[str, Callable[[], object]] = {}
+        # One partials workspace for every variant, so that no variant's timing depends on
+        # where its own scratch happens to lie in memory.
+        ws = _ops.Workspace("cuda")
         for name, (packing, split, target, prefetch, fixed, concurrent) in variants:
             pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
             if target is not None:
@@ -375,7 +378,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name == "merge_all":
                 pa.finish_in_leaf = False
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
-            ws = _ops.Workspace("cuda")
             calls[name] = functools.partial(
                 _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
