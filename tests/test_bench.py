@@ -102,17 +102,21 @@ def test_timer_warms_up_before_timing() -> None:
         def elapsed_time(self, other: Event) -> float:
             return other.t - self.t
 
+    spins: list[int] = []
     buf = SimpleNamespace(zero_=lambda: log.append("flush"))
     fake = SimpleNamespace(
         empty=lambda *a, **k: buf,
         uint8=None,
-        cuda=SimpleNamespace(synchronize=lambda: None, Event=Event),
+        cuda=SimpleNamespace(synchronize=lambda: None, Event=Event, _sleep=spins.append),
     )
     timer = _Timer(fake, iters=5)
     timer.median_us(lambda: log.append("call"))
     calls = [i for i, x in enumerate(log) if x == "call"]
     assert len(calls) >= 5 + _Timer.WARMUP_CALLS
     assert all(log[i - 1] == "flush" for i in calls)
+    # Every timed call (not the warm-up ones) follows a GPU spin that covers its launches.
+    assert spins == [_Timer.SPIN_CYCLES] * 5
+    spins.clear()
 
     # Interleaved: every function warmed up, then rounds with a rotating start; a function
     # that fails is reported and not timed.
