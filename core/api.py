@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -202,7 +203,7 @@ class PrefixAttention:
         items' rows fit and the launch keeps at least ``split_target`` pairs
         (``prefixattn.buffers.packed_heads``): fewer, larger pairs for short decode items
         (docs/kernel-notes.md, v14). False: one KV head per pair."""
-        self.finish_in_leaf = True
+        self.finish_in_leaf = os.environ.get("PREFIXATTN_FINISH_IN_LEAF", "1") != "0"
         """Plans let the leaf kernel (16-row tiles, head_dim <= 128) finish the merged tokens
         with exactly one slot in its items: the CUDA launcher then runs the leaf launch after
         the other forward launches, and its warps merge those tokens' other partial rows into

@@ -48,7 +48,7 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # "tile16" runs the 16-row variant on the 16-row tile of forward_mma_kernel instead of the
 # leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call), "merge_all"
 # leaves every merged token to the merge launch (``PrefixAttention.finish_in_leaf`` off: the
-# leaf launch runs first and finishes nothing).
+# leaf launch runs first and finishes nothing), "fixed_merge_all" the same under fixed grids.
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -65,6 +65,7 @@ ABLATIONS: dict[str, Variant] = {
     "unchained": MAIN,
     "tile16": MAIN,
     "merge_all": MAIN,
+    "fixed_merge_all": ("memory", True, None, 0, True, False),
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -381,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             if name == "per_height":
                 pa.one_launch_in_one_wave = False
-            if name == "merge_all":
+            if name in ("merge_all", "fixed_merge_all"):
                 pa.finish_in_leaf = False
             plan = pa.plan(table, lens, packing=packing, split_kv=split)
             calls[name] = functools.partial(
@@ -463,7 +464,7 @@ def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
-                        "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us")
+                        "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us", "fixed_merge_all_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
