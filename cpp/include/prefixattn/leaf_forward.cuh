@@ -455,7 +455,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 
 // One warp per (item, KV head) pair; 4 independent warps per block (see the top of this file).
 template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(kLeafWarps * 32, 2) forward_leaf_kernel(const ForwardParams p) {
+__global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 ? 3 : 2) forward_leaf_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
