@@ -638,14 +638,13 @@ class PrefixAttention:
                 n_by_kv_len=self.tiles.n_by_kv_len,
             )
             forest, host, tiles, tile_indptr, acc = build(one)
+        bounds = variant_bounds(tiles, tile_indptr)
         num_finished = 0
         if self.finish_in_leaf and self.head_dim <= 128:
-            # Merged tokens with one slot in the leaf kernel's items: that item finishes them
-            # (the leaf launch runs last and merges their other partial rows itself).
+            # Merged tokens with one slot in the leaf kernel's items (the 16-row variant): that
+            # item finishes them (the leaf launch runs last and merges their other rows itself).
             leaf = np.zeros(len(host.kv_len), dtype=bool)
-            for t, (m, _) in enumerate(tiles):
-                if m == VARIANT_ROWS[0]:
-                    leaf[tile_indptr[t] : tile_indptr[t + 1]] = True
+            leaf[bounds[0] : bounds[1]] = True
             sms = _split_target(self.device)
             host, num_finished = finish_in_leaf(
                 host, leaf, int(indptr[-1]), self.num_kv_heads, sms * LEAF_PAIRS_PER_SM
@@ -658,7 +657,6 @@ class PrefixAttention:
             (forest.token_end - forest.page_begin.astype(np.int64) * self.page_size).sum()
         )
         qo_bytes = 2 * num_tokens * self.num_qo_heads * self.head_dim * shape.elem_bytes
-        bounds = variant_bounds(tiles, tile_indptr)
         heads = 1
         if self.pack_heads and bounds[1] > bounds[0]:
             # As many KV heads per pair as the 16-row items' rows allow, while the launch

@@ -392,7 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             if name == "tile16":
                 calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
-
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 floor_bytes = plan.distinct_kv_bytes + plan.qo_bytes

@@ -67,6 +67,8 @@ MAX_FINISH_OTHERS = 15
 # pairs of at least this many 16-token tiles on average (docs/kernel-notes.md, v25).
 FINISH_MAX_PAIRS_PER_WARP = 2
 FINISH_MIN_TILES_PER_PAIR = 8
+# KV tokens of one leaf-kernel tile (kLeafTokens in leaf_forward.cuh).
+LEAF_TILE_TOKENS = 16
 
 
 def pairs_per_sm(m: int, head_dim: int) -> int:
@@ -471,10 +473,12 @@ def finish_in_leaf(
     -2 - (16 * 3 + 1) = -51.
     """
     m_count = len(host.merge_tokens)
-    if m_count == 0 or not leaf_items.any():
+    # 16 * j + n must fit in int32.
+    if m_count == 0 or not leaf_items.any() or len(host.merge_partials) >= 2**27:
         return host, 0
     pairs = int(leaf_items.sum()) * num_kv_heads
-    tiles = int((-(-host.kv_len[leaf_items].astype(np.int64) // 16)).sum()) * num_kv_heads
+    leaf_len = host.kv_len[leaf_items].astype(np.int64)
+    tiles = int((-(-leaf_len // LEAF_TILE_TOKENS)).sum()) * num_kv_heads
     if pairs > FINISH_MAX_PAIRS_PER_WARP * leaf_warps and tiles < FINISH_MIN_TILES_PER_PAIR * pairs:
         return host, 0
     q_out = host.q_out.astype(np.int64)
@@ -486,8 +490,6 @@ def finish_in_leaf(
     per_token = np.bincount(leaf_m, minlength=m_count)
     sizes: np.ndarray = np.diff(host.merge_indptr).astype(np.int64)
     finished = (per_token == 1) & (sizes <= MAX_FINISH_OTHERS + 1)
-    if len(host.merge_partials) >= 2**27:  # 16 * j + n must fit in int32
-        return host, 0
     count = int(finished.sum())
     if count == 0:
         return host, 0
@@ -497,15 +499,15 @@ def finish_in_leaf(
     rank[perm] = np.arange(m_count)
     seg = np.repeat(np.arange(m_count), sizes)
     # The leaf slot's row of a finished token goes last among the token's rows.
+    fin = finished[leaf_m]
+    fin_slots, fin_m = leaf_part[fin], leaf_m[fin]
     own_row = np.full(m_count, -1, dtype=np.int64)
-    fin_slots = leaf_part[finished[leaf_m]]
-    own_row[tok2m[host.q_tokens[fin_slots]]] = q_out[fin_slots]
+    own_row[fin_m] = q_out[fin_slots]
     rows = host.merge_partials.astype(np.int64)
     order = np.lexsort((rows == own_row[seg], rank[seg]))
     indptr = np.concatenate(([0], np.cumsum(sizes[perm])))
-    fin_rank = rank[tok2m[host.q_tokens[fin_slots]]]
-    own_pos = indptr[fin_rank + 1] - 1
-    q_out[fin_slots] = -2 - (16 * own_pos + sizes[perm][fin_rank] - 1)
+    own_pos = indptr[rank[fin_m] + 1] - 1
+    q_out[fin_slots] = -2 - (16 * own_pos + sizes[fin_m] - 1)
     i32 = np.int32
     new = dataclasses.replace(
         host,

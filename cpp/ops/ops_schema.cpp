@@ -14,7 +14,7 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // its bits 0-3 and the merge (bit 4), for a plan known never to use the others; chained
   // lets each launch after the first start while the one before it drains (serial groups);
   // finish lets the leaf launch run last and finish the plan's num_finished merged tokens
-  // (q_out = -2 - i), the merge launch taking the others (counts[kCountMergeOpen]).
+  // (q_out = -2 - (16 j + n)), the merge launch taking the others (counts[kCountMergeOpen]).
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
