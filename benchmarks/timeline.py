@@ -1,0 +1,93 @@
+"""Per-kernel timeline of prefixattn's calls on PAT trees: when each launch of a call starts
+and ends, relative to the call's first kernel (torch profiler, L2 flushed and a GPU spin
+before each call, as in the benchmark's timer). Shows how the launches of a call overlap
+(chained launches) and which one ends last.
+
+    python benchmarks/timeline.py --trees 1,256_256,32 1,2,64_1024,256,256 --heads 32,8
+"""
+
+import argparse
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+import prefixattn
+from prefixattn import _ops
+from prefixattn.bench import _Timer
+from prefixattn.workloads import tree_batch
+
+
+def timeline(timer: _Timer, spec: str, hq: int, hkv: int, ps: int, d: int, calls: int) -> None:
+    table, lens = tree_batch(spec, ps, seed=0)
+    num_pages = int(table.max()) + 1
+    k = torch.randn(num_pages, ps, hkv, d, device="cuda").to(torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), hq, d, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=torch.bfloat16)
+    plan = pa.plan(table, lens)
+    ws = _ops.Workspace("cuda")
+
+    def call() -> None:
+        _ops.run_plan_cuda(plan, q, k, v, out, 1 / math.sqrt(d), ws,
+                           chained=pa.chain_launches, finish=pa.finish_in_leaf)  # fmt: skip
+
+    us = timer.median_us(call)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            timer.flush.zero_()
+            torch.cuda._sleep(timer.SPIN_CYCLES)
+            call()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        data = json.loads(path.read_text())
+    events = sorted(
+        (e for e in data["traceEvents"] if e.get("cat") == "kernel" and "dur" in e),
+        key=lambda e: float(e["ts"]),
+    )
+    groups: list[list[dict]] = []
+    current: list[dict] = []
+    for e in events:  # a call's kernels, between the flushes
+        if "prefixattn::" in e["name"]:
+            current.append(e)
+        elif current:
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    print(f"== {spec} {hq},{hkv} page {ps}: {us:.1f} us (timed); {plan.summary()}")
+    for group in groups[1:]:  # the first call may include the profiler's start-up
+        t0 = float(group[0]["ts"])
+        for e in group:
+            name = e["name"].split("(")[0].split("prefixattn::")[-1]
+            start, dur = float(e["ts"]) - t0, float(e["dur"])
+            grid = e.get("args", {}).get("grid")
+            print(f"   +{start:6.1f} us, {dur:6.1f} us long, ends {start + dur:6.1f}  "
+                  f"grid {grid}  {name}")  # fmt: skip
+        print("   --")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", nargs="+", default=["1,256_256,32"])
+    ap.add_argument("--heads", nargs="+", default=["32,8"])
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=4)
+    args = ap.parse_args()
+    timer = _Timer(torch, 15)
+    for spec in args.trees:
+        for heads in args.heads:
+            hq, hkv = map(int, heads.split(","))
+            timeline(timer, spec, hq, hkv, args.page_size, args.head_dim, args.calls)
+
+
+if __name__ == "__main__":
+    main()
