@@ -7,16 +7,13 @@ before each call, as in the benchmark's timer). Shows how the launches of a call
 """
 
 import argparse
-import json
 import math
-import tempfile
-from pathlib import Path
 
 import torch
 
 import prefixattn
 from prefixattn import _ops
-from prefixattn.bench import _Timer
+from prefixattn.bench import _short_kernel_name, _Timer, profile_kernel_events, split_calls
 from prefixattn.workloads import tree_batch
 
 
@@ -36,37 +33,13 @@ def timeline(timer: _Timer, spec: str, hq: int, hkv: int, ps: int, d: int, calls
                            chained=pa.chain_launches, finish=pa.finish_in_leaf)  # fmt: skip
 
     us = timer.median_us(call)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            timer.flush.zero_()
-            torch.cuda._sleep(timer.SPIN_CYCLES)
-            call()
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        data = json.loads(path.read_text())
-    events = sorted(
-        (e for e in data["traceEvents"] if e.get("cat") == "kernel" and "dur" in e),
-        key=lambda e: float(e["ts"]),
-    )
-    groups: list[list[dict]] = []
-    current: list[dict] = []
-    for e in events:  # a call's kernels, between the flushes
-        if "prefixattn::" in e["name"]:
-            current.append(e)
-        elif current:
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
+    events = profile_kernel_events(torch, call, timer.flush, calls, timer.SPIN_CYCLES)
+    groups = split_calls(events)
     print(f"== {spec} {hq},{hkv} page {ps}: {us:.1f} us (timed); {plan.summary()}")
     for group in groups[1:]:  # the first call may include the profiler's start-up
         t0 = float(group[0]["ts"])
         for e in group:
-            name = e["name"].split("(")[0].split("prefixattn::")[-1]
+            name = _short_kernel_name(e["name"])
             start, dur = float(e["ts"]) - t0, float(e["dur"])
             grid = e.get("args", {}).get("grid")
             print(f"   +{start:6.1f} us, {dur:6.1f} us long, ends {start + dur:6.1f}  "

@@ -272,23 +272,33 @@ def _short_kernel_name(name: str) -> str:
     return name.split("prefixattn::", 1)[-1]
 
 
-def kernel_breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-call device time of prefixattn's kernels from a profiler trace's kernel events
-    (``name``, ``ts``, ``dur`` in us). Calls are separated by any other kernel (the L2 flush
-    that precedes each call). Returns the calls found, the median ``span_us`` (first kernel
-    start to last kernel end of a call), the median ``busy_us`` (time with at least one of
-    its kernels running) and, per kernel, launches per call and mean device us per call."""
-    calls: list[list[tuple[str, float, float]]] = []
-    current: list[tuple[str, float, float]] = []
+def split_calls(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """prefixattn's kernel events per call, in start order, from a profiler trace's kernel
+    events (``name``, ``ts``, ``dur`` in us). Calls are separated by any other kernel (the L2
+    flush that precedes each call)."""
+    calls: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
     for e in sorted(events, key=lambda e: float(e["ts"])):
-        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         if "prefixattn::" in e["name"]:
-            current.append((_short_kernel_name(e["name"]), start, end))
+            current.append(e)
         elif current:
             calls.append(current)
             current = []
     if current:
         calls.append(current)
+    return calls
+
+
+def kernel_breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-call device time of prefixattn's kernels from a profiler trace's kernel events
+    (calls as in :func:`split_calls`). Returns the calls found, the median ``span_us`` (first
+    kernel start to last kernel end of a call), the median ``busy_us`` (time with at least one
+    of its kernels running) and, per kernel, launches per call and mean device us per call."""
+    calls = [
+        [(_short_kernel_name(e["name"]), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+         for e in call]
+        for call in split_calls(events)
+    ]  # fmt: skip
     if not calls:
         return {"calls": 0}
     spans, busy = [], []
@@ -311,9 +321,12 @@ def kernel_breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
             "busy_us": round(statistics.median(busy), 2), "kernels": kernels}  # fmt: skip
 
 
-def profile_breakdown(torch, fn: Callable[[], object], flush: Any, calls: int) -> dict[str, Any]:
-    """Run ``fn`` ``calls`` times (each after an L2 flush) under torch's profiler and
-    summarize its kernels with :func:`kernel_breakdown`."""
+def profile_kernel_events(
+    torch, fn: Callable[[], object], flush: Any, calls: int, spin_cycles: int = 0
+) -> list[dict[str, Any]]:
+    """Run ``fn`` ``calls`` times under torch's profiler, each after an L2 flush (and, with
+    ``spin_cycles``, a GPU spin, as :class:`_Timer` does), and return the trace's kernel
+    events (``name``, ``ts``, ``dur`` in us, ``args``)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -321,6 +334,8 @@ def profile_breakdown(torch, fn: Callable[[], object], flush: Any, calls: int) -
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             flush.zero_()
+            if spin_cycles:
+                torch.cuda._sleep(spin_cycles)
             fn()
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,7 +343,13 @@ def profile_breakdown(torch, fn: Callable[[], object], flush: Any, calls: int) -
         prof.export_chrome_trace(str(path))
         data = json.loads(path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return kernel_breakdown([e for e in events if e.get("cat") == "kernel" and "dur" in e])
+    return [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def profile_breakdown(torch, fn: Callable[[], object], flush: Any, calls: int) -> dict[str, Any]:
+    """Run ``fn`` ``calls`` times (each after an L2 flush) under torch's profiler and
+    summarize its kernels with :func:`kernel_breakdown`."""
+    return kernel_breakdown(profile_kernel_events(torch, fn, flush, calls))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

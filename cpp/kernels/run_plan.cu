@@ -304,7 +304,6 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   p.q_tokens = q_tokens.data_ptr<int32_t>();
   p.q_limit = q_limit.data_ptr<int32_t>();
   p.q_out = q_out.data_ptr<int32_t>();
-  p.merge_indptr = merge_indptr.data_ptr<int32_t>();
   p.merge_partials = merge_partials.data_ptr<int32_t>();
   p.q_stride_t = q.stride(0);
   p.q_stride_h = q.stride(1);

@@ -76,7 +76,6 @@ struct ForwardParams {
   // finishes its token, whose n other partial rows are merge_partials[j - n .. j - 1] and
   // whose own row is merge_partials[j] (slot_dst).
   const int32_t* q_out;
-  const int32_t* merge_indptr;
   const int32_t* merge_partials;
   const int32_t* counts;  // kCountsLen entries (layout above)
   int64_t q_stride_t, q_stride_h;
