@@ -170,6 +170,40 @@ def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
 
 
+@pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
+@pytest.mark.parametrize("qlen", [1, 3])
+def test_scale_and_rising_scores(scale, qlen):
+    """Scores that rise along the KV (a new row maximum in most tiles, by far more than the
+    `wgmma` kernel's rescale slack), a large, a zero and a negative scale, through every tile
+    height (1,64_1024,40 at group 8: 128-row roots, 16-row leaves; 1,4_512,64: 32-row nodes)."""
+    for spec in ("1,64_1024,40", "1,4_512,64"):
+        table, lens = tree_batch(spec, 16, seed=4)
+        num_pages = int(table.max()) + 1
+        gen = torch.Generator(device=DEV).manual_seed(4)
+        hq, hkv, d = 64, 8, 128
+        u = torch.nn.functional.normalize(torch.randn(d, generator=gen, device=DEV), dim=0)
+        # Key t of page p: noise plus (p * 16 + t) / 16 * 2 along u, so q.k grows (or falls,
+        # for q.u < 0) by about 2 |q.u| per page.
+        pos = torch.arange(num_pages * 16, device=DEV, dtype=torch.float32).view(num_pages, 16)
+        noise = torch.randn(num_pages, 16, hkv, d, generator=gen, device=DEV)
+        k = (0.5 * noise + (pos / 8)[:, :, None, None] * u).to(torch.bfloat16)
+        v = torch.randn(num_pages, 16, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+        qo = np.minimum(np.full(len(lens), qlen), lens).astype(np.int32)
+        qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+        q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV)
+        q = (q + 2 * u).to(torch.bfloat16)  # q.u mostly positive: rising scores
+        pa = prefixattn.PrefixAttention(hq, hkv, d, 16, device=DEV, dtype=torch.bfloat16)
+        pa.one_launch_in_one_wave = False
+        plan = pa.plan(table, lens, qo_indptr)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV))
+        ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+        assert not torch.isnan(out).any(), "unwritten output elements"
+        err = (out.float() - ref).abs().max().item()
+        tol = 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
+        assert err <= tol, f"{spec} scale {scale}: max error {err} > {tol} ({plan.summary()})"
+
+
 @pytest.mark.parametrize("fixed_grid", [False, True])
 def test_chained_launches_match_serial(fixed_grid):
     # Chained launches (each tile height and the merge may start while the launch before it

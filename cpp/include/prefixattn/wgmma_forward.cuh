@@ -123,6 +123,21 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem, uint32_t l
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
+// The descriptors of one operand over all stages and k steps, formed once: the start address
+// is the low 14 bits of the low word (address / 16; shared memory stays below 256 KB), so the
+// descriptor of a location `off16` 16-byte units past the base is the base plus off16, one
+// 32-bit add (no carry leaves the address field).
+struct SmemDescBase {
+  uint32_t lo, hi;
+  __device__ __forceinline__ SmemDescBase(const void* smem, uint32_t lbo, uint32_t sbo) {
+    const uint64_t d = smem_desc_sw128(smem, lbo, sbo);
+    lo = static_cast<uint32_t>(d);
+    hi = static_cast<uint32_t>(d >> 32);
+  }
+  __device__ __forceinline__ uint64_t at(uint32_t off16) const {
+    return (static_cast<uint64_t>(hi) << 32) | (lo + off16);
+  }
+};
 
 // mbarrier phases (shared::cta): init, plain arrive, and a wait on the phase of a given parity.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -175,6 +190,10 @@ constexpr int forward_wgmma_smem_bytes() {
 // for a kernel with setmaxnreg: `-Xptxas -v` reports 168); with fewer, setmaxnreg.inc would
 // wait forever, so check that line after changing the kernel's launch bounds or build flags.
 constexpr int kWgmmaThreads = 384;
+// How far (log2 units) a row's scores may rise above its running maximum before the `wgmma`
+// kernel moves the maximum and rescales O and l: probabilities stay below 2^8, well inside the
+// range of P's 16-bit type.
+constexpr float kRescaleSlack = 8.f;
 
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const ForwardParams p) {
@@ -262,6 +281,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
   rs.load(p, cur, r0);
   uint32_t qa[kKC][4];
   int stage = 0, phase = 0;
+  // Operand descriptors: stage st's K tile at k step kc, and its V tile at key step kc (16-byte
+  // units past stage 0's K and V tiles).
+  const SmemDescBase kdesc(k_stage(0), 16, 1024), vdesc(v_stage(0), kAtomElems * 2, 1024);
+  constexpr uint32_t kStage16 = 2 * kTileElems * sizeof(T) / 16;
+  auto k_off = [](int kc) {
+    return static_cast<uint32_t>(((kc >> 2) * kAtomElems + (kc & 3) * 16) * sizeof(T) / 16);
+  };
+  auto v_off = [](int kc) { return static_cast<uint32_t>(kc * 16 * 64 * sizeof(T) / 16); };
   auto release = [&](int st) {  // this warp is done reading stage st
     if (lane == 0) mbar_arrive(&empty_bar[st]);
   };
@@ -294,10 +321,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
     for (int kc = 0; kc < kTileN / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
     int pv_stage = stage;
     auto issue_pv = [&]() {
-      const T* vt = v_stage(pv_stage);
+      const uint32_t st16 = static_cast<uint32_t>(pv_stage) * kStage16;
 #pragma unroll
       for (int kc = 0; kc < kTileN / 16; ++kc)
-        Wgmma<T, D, 1>::run(o, pa[kc], smem_desc_sw128(vt + kc * 16 * 64, kAtomElems * 2, 1024), 1);
+        Wgmma<T, D, 1>::run(o, pa[kc], vdesc.at(st16 + v_off(kc)), 1);
       wgmma_commit();
     };
     for (int tile = 0; tile < num_tiles; ++tile) {
@@ -306,34 +333,35 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
         fence_proxy_async_smem();
         const int base = tile * kTileN;
         float s[kTileN / 2];
-        const T* kt = k_stage(stage);
+        const uint32_t st16 = static_cast<uint32_t>(stage) * kStage16;
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc)
-          Wgmma<T, kTileN, 0>::run(
-              s, qa[kc], smem_desc_sw128(kt + (kc >> 2) * kAtomElems + (kc & 3) * 16, 16, 1024),
-              kc > 0);
+          Wgmma<T, kTileN, 0>::run(s, qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
         wgmma_commit();
         issue_pv();
         wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
         pin_registers(s);
 
-        // Scale (log2 units) and, where some key of the tile is past a row's bound, mask.
+        // Scores to log2 units. A tile where every key is visible to every row of the warp and
+        // the scale is positive keeps the raw scores: the maximum scales with them, and the
+        // scale is folded into the exponent (one FFMA per score). Otherwise the scores are
+        // scaled here, masked keys set to -inf, and the exponent's factor is 1.
         const int b0 = lim0 - base, b1 = lim1 - base;
-        const bool full = __all_sync(0xffffffffu, min(b0, b1) >= kTileN);
-        if (full) {
-#pragma unroll
-          for (int i = 0; i < kTileN / 2; ++i) s[i] *= p.scale_log2;
-        } else {
+        const bool fold =
+            __all_sync(0xffffffffu, min(b0, b1) >= kTileN) && p.scale_log2 > 0.f;
+        float sc = p.scale_log2;
+        if (!fold) {
 #pragma unroll
           for (int nb = 0; nb < kTileN / 8; ++nb) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int key = nb * 8 + qc + e;
-              s[4 * nb + e] = key < b0 ? s[4 * nb + e] * p.scale_log2 : -INFINITY;
-              s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * p.scale_log2 : -INFINITY;
+              s[4 * nb + e] = key < b0 ? s[4 * nb + e] * sc : -INFINITY;
+              s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * sc : -INFINITY;
             }
           }
+          sc = 1.f;
         }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -346,19 +374,32 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
         }
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        // A row with no visible key so far keeps m = -inf: its probabilities are exp2(-inf) = 0.
-        const float z0 = n0 == -INFINITY ? 0.f : n0, z1 = n1 == -INFINITY ? 0.f : n1;
-        const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
-        m0 = n0;
-        m1 = n1;
+        mx0 *= sc;  // sc > 0 here; -inf stays -inf
+        mx1 *= sc;
+        // The running maximum m moves only when some row of the warp would see a score more
+        // than kRescaleSlack above it (log2 units), and then to the exact maximum; otherwise
+        // the probabilities exp2(score - m) stay below 2^kRescaleSlack and neither O nor l is
+        // rescaled (the final 1 / l and the log-sum-exp m + log2(l) are the same either way).
+        const bool grow =
+            __any_sync(0xffffffffu, mx0 > m0 + kRescaleSlack || mx1 > m1 + kRescaleSlack);
+        float al0 = 1.f, al1 = 1.f;
+        if (grow) {
+          const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+          // A row with no visible key so far keeps m = -inf.
+          al0 = exp2f(m0 - (n0 == -INFINITY ? 0.f : n0));
+          al1 = exp2f(m1 - (n1 == -INFINITY ? 0.f : n1));
+          m0 = n0;
+          m1 = n1;
+        }
+        // Its probabilities are then exp2(-inf) = 0.
+        const float z0 = m0 == -INFINITY ? 0.f : m0, z1 = m1 == -INFINITY ? 0.f : m1;
         float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
         for (int nb = 0; nb < kTileN / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            s[4 * nb + e] = exp2f(s[4 * nb + e] - z0);
-            s[4 * nb + 2 + e] = exp2f(s[4 * nb + 2 + e] - z1);
+            s[4 * nb + e] = exp2f(fmaf(s[4 * nb + e], sc, -z0));
+            s[4 * nb + 2 + e] = exp2f(fmaf(s[4 * nb + 2 + e], sc, -z1));
             ps0 += s[4 * nb + e];
             ps1 += s[4 * nb + 2 + e];
           }
@@ -368,12 +409,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
         wgmma_wait<0>();
         pin_registers(o);
         if (tile > 0) release(pv_stage);  // P(t-1) V(t-1) was its last read
+        if (grow) {
 #pragma unroll
-        for (int db = 0; db < D / 8; ++db) {
-          o[4 * db + 0] *= al0;
-          o[4 * db + 1] *= al0;
-          o[4 * db + 2] *= al1;
-          o[4 * db + 3] *= al1;
+          for (int db = 0; db < D / 8; ++db) {
+            o[4 * db + 0] *= al0;
+            o[4 * db + 1] *= al0;
+            o[4 * db + 2] *= al1;
+            o[4 * db + 3] *= al1;
+          }
         }
 #pragma unroll
         for (int kc = 0; kc < kTileN / 16; ++kc) {
