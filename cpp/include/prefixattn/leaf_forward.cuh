@@ -94,7 +94,8 @@ struct LeafCopier {
   const int32_t* pages;
   const T* k_base;
   const T* v_base;
-  int next_len, next_page0;  // of the pair after pos
+  int next_len, next_page0;    // of the pair after pos
+  int next2_len, next2_page0;  // of the pair after that
   int tok0, col;
   uint32_t dst0;  // shared address of this lane's first K element in stage 0
   int pg[kRows];  // page ids of the next tile's rows (pg[0] only, where one page holds it)
@@ -110,7 +111,10 @@ struct LeafCopier {
     if (!done) {
       const int item = r.begin + pos.idx;
       set(p, p.kv_len[item], p.kv_page_indptr[item]);
-      fetch_next(p, r);
+      PairPos after = pos;
+      fetch_pair_after(p, r, after, next_len, next_page0);
+      r.advance(after);
+      fetch_pair_after(p, r, after, next2_len, next2_page0);
       load_pages(p);
     }
   }
@@ -121,8 +125,13 @@ struct LeafCopier {
     k_base = static_cast<const T*>(p.k) + pos.head * p.k_stride_head + col;
     v_base = static_cast<const T*>(p.v) + pos.head * p.v_stride_head + col;
   }
+  // Moves the pair-ahead values on by one and fetches those of the pair two after pos.
   __device__ __forceinline__ void fetch_next(const ForwardParams& p, const LeafPairs& r) {
-    fetch_pair_after(p, r, pos, next_len, next_page0);
+    next_len = next2_len;
+    next_page0 = next2_page0;
+    PairPos after = pos;
+    r.advance(after);
+    fetch_pair_after(p, r, after, next2_len, next2_page0);
   }
   // Pages of 16 tokens or more (powers of two) hold a whole tile: one page id.
   static __device__ __forceinline__ bool one_page(const ForwardParams& p) {
@@ -204,8 +213,10 @@ struct LeafRows {
   int other;           // dst <= -2 (the row finishes its token): the first other partial row
   uint32_t qb[kKC][2];  // q^T B fragments of row r0 + g
 
-  __device__ __forceinline__ void load(const ForwardParams& p, const LeafDesc& d, int r0,
-                                       int lane) {
+  // Everything but the q fragments: one round of independent loads (the pair's descriptor
+  // must have landed).
+  __device__ __forceinline__ void load_slots(const ForwardParams& p, const LeafDesc& d, int r0,
+                                             int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -222,13 +233,24 @@ struct LeafRows {
       const int tq = p.group_div.div(r);
       const int slot = d.slot0 + tq;
       dst = slot_dst(p, slot);
-      other = 0;
-      if (dst <= -2) {
-        const int code = -2 - dst;
-        other = p.merge_partials[(code >> 4) - (code & 15)];
-      }
       tok = p.q_tokens[slot];
       head = d.kv_head * p.group_size + (r - tq * p.group_size);
+    } else {
+      dst = -1;
+      tok = -1;
+      head = 0;
+    }
+  }
+  // The q fragments and, for a row that finishes its token, its first other partial row (the
+  // slot loads must have landed).
+  __device__ __forceinline__ void load_q(const ForwardParams& p, int lane) {
+    const int t = lane & 3;
+    other = 0;
+    if (tok >= 0 && dst <= -2) {
+      const int code = -2 - dst;
+      other = p.merge_partials[(code >> 4) - (code & 15)];
+    }
+    if (tok >= 0) {
       const T* q = static_cast<const T*>(p.q) + tok * p.q_stride_t + head * p.q_stride_h + 2 * t;
 #pragma unroll
       for (int kc = 0; kc < kKC; ++kc) {
@@ -236,12 +258,14 @@ struct LeafRows {
         qb[kc][1] = *reinterpret_cast<const uint32_t*>(q + kc * 16 + 8);
       }
     } else {
-      dst = -1;
-      tok = -1;
-      head = 0;
 #pragma unroll
       for (int kc = 0; kc < kKC; ++kc) qb[kc][0] = qb[kc][1] = 0u;
     }
+  }
+  __device__ __forceinline__ void load(const ForwardParams& p, const LeafDesc& d, int r0,
+                                       int lane) {
+    load_slots(p, d, r0, lane);
+    load_q(p, lane);
   }
 };
 
@@ -482,32 +506,47 @@ __global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 ? 3 : 2) forward_leaf
   const int k_lane = (mr + 8 * (mi & 1)) * kRow + 8 * (mi >> 1);
   const int v_lane = kLeafTokens * kRow + (mr + 8 * (mi >> 1)) * kRow + 8 * (mi & 1);
 
-  PairPos pos = range.first(gwarp);
-  LeafDesc cur, nxt;
-  cur.load(p, range, pos);
-  // Rows 0-7 of the current pair, and of the next one (fetched while this one computes). Rows
-  // 8-15 (pairs of more than 8 rows) are loaded when their pair starts.
-  LeafRows<T, D> rw, nrw, hi;
-  rw.load(p, cur, 0, lane);
+  // The math side's loads run in a pipeline over the warp's pairs, each stage a round of
+  // independent loads a pair before the next needs it: when pair k starts, the descriptor of
+  // pair k + 3 is fetched, the slot data (bounds, destinations, tokens) of pair k + 2 (its
+  // descriptor landed during pair k - 1) and the q fragments of pair k + 1 (its tokens landed
+  // during pair k - 1). So no load of pair k's own chain waits on another. Rows 8-15 (pairs
+  // of more than 8 rows) are loaded when their pair starts.
+  PairPos pos[4];  // pairs k .. k + 3
+  pos[0] = range.first(gwarp);
+#pragma unroll
+  for (int i = 1; i < 4; ++i) {
+    pos[i] = pos[i - 1];
+    range.advance(pos[i]);
+  }
+  auto has = [&](int i) { return pos[i].w < range.total; };
+  LeafDesc d0, d1, d2, d3;
+  LeafRows<T, D> r0, r1, r2, hi;
+  d0.load(p, range, pos[0]);
+  if (has(1)) d1.load(p, range, pos[1]);
+  if (has(2)) d2.load(p, range, pos[2]);
+  r0.load(p, d0, 0, lane);
+  if (has(1)) r1.load_slots(p, d1, 0, lane);
   int stage = 0;
   while (true) {
-    PairPos npos = pos;
-    range.advance(npos);
-    const bool has_next = npos.w < range.total;
-    if (has_next) {
-      nxt.load(p, range, npos);
-      nrw.load(p, nxt, 0, lane);
-    }
-    if (cur.rows > 8) {  // warp-uniform
-      hi.load(p, cur, 8, lane);
-      leaf_pair<T, D, STAGES, 2>(p, range, cp, ws, stage, k_lane, v_lane, lane, cur, rw, hi);
+    if (has(1)) r1.load_q(p, lane);
+    if (has(2)) r2.load_slots(p, d2, 0, lane);
+    if (has(3)) d3.load(p, range, pos[3]);
+    if (d0.rows > 8) {  // warp-uniform
+      hi.load(p, d0, 8, lane);
+      leaf_pair<T, D, STAGES, 2>(p, range, cp, ws, stage, k_lane, v_lane, lane, d0, r0, hi);
     } else {
-      leaf_pair<T, D, STAGES, 1>(p, range, cp, ws, stage, k_lane, v_lane, lane, cur, rw, rw);
+      leaf_pair<T, D, STAGES, 1>(p, range, cp, ws, stage, k_lane, v_lane, lane, d0, r0, r0);
     }
-    if (!has_next) break;
-    cur = nxt;
-    rw = nrw;
-    pos = npos;
+    if (!has(1)) break;
+    d0 = d1;
+    d1 = d2;
+    d2 = d3;
+    r0 = r1;
+    r1 = r2;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) pos[i] = pos[i + 1];
+    range.advance(pos[3]);
   }
   cp_async_wait<0>();
 }
