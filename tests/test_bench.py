@@ -232,3 +232,32 @@ def test_with_env_sets_the_variable_only_during_the_call(monkeypatch) -> None:  
     with pytest.raises(RuntimeError):
         with_env("PREFIXATTN_LEAF_KERNEL", "0", boom)()
     assert os.environ["PREFIXATTN_LEAF_KERNEL"] == "1"
+
+
+def test_plan_traffic_bounds_the_floor() -> None:
+    from prefixattn.bench import plan_traffic
+
+    # Without sharing a plan moves exactly the floor; with sharing it adds partial rows, and
+    # counting the repeated reads of shared pages adds more.
+    table, lens = tree_batch("8_33", 16, seed=0)
+    tr = plan_traffic(PrefixAttention(8, 2, 64, 16).plan(table, lens))
+    assert tr["floor"] == tr["plan"] == tr["plan_reads"] > 0
+    table, lens = tree_batch("1,64_512,16", 16, seed=0)
+    plan = PrefixAttention(32, 8, 64, 16).plan(table, lens)
+    tr = plan_traffic(plan)
+    assert tr["floor"] == plan.distinct_kv_bytes + plan.qo_bytes
+    assert tr["plan"] == tr["floor"] + plan.partial_bytes > tr["floor"]
+    assert tr["plan_reads"] >= tr["plan"]
+
+
+def test_plan_traffic_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "plan_traffic.py"
+    spec = importlib.util.spec_from_file_location("plan_traffic_script", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--trees", "1,4_64,16", "8_33", "--heads", "32,8", "--page1-trees"]) == 0
+    out = capsys.readouterr().out
+    assert "1,4_64,16" in out and "geomean: cap" in out
