@@ -15,8 +15,9 @@
 //   warp's own STAGES shared-memory stages (16 tokens per stage, cp.async, zero-filled past
 //   the item's end so that masked keys carry V = 0), and the warp waits on its own copies
 //   (cp.async.wait_group + __syncwarp): there is no block barrier anywhere. The copies run
-//   STAGES - 1 tiles ahead of the math across pair boundaries; the next pair's KV length, page
-//   offset and rows are fetched a pair ahead, and so are its q fragments and row slots.
+//   STAGES - 1 tiles ahead of the math across pair boundaries; the copier fetches a pair's KV
+//   length and page offset two pairs ahead, and the math side's loads of a pair (descriptor,
+//   slot data, q fragments) run one round per pair, three, two and one pairs ahead.
 // - Columns are the item's query rows (tokens x group, token-major): one block of 8 columns
 //   for items of up to 8 rows, two blocks (twice the MMAs and O^T registers, the same K and V
 //   fragments) for 9-16 rows; a warp-uniform branch per pair picks the instantiation.
@@ -273,7 +274,7 @@ struct LeafRows {
 // normalised output (w, as the epilogue packs it: dims 2t, 2t + 1 of each 8-dim half of every
 // 16-dim block), with log-sum-exp gm + log2(gl) in log2 units, merged in place with the
 // token's n other partial rows merge_partials[j - n .. j - 1] (`other` is the first, loaded
-// with the row's slot a pair ahead) by log-sum-exp, in fp32. The other rows come from
+// with the row's q fragments a pair ahead) by log-sum-exp, in fp32. The other rows come from
 // launches that ran before this one (the caller has waited for them).
 template <typename T, int D>
 __device__ __forceinline__ void leaf_finish_row(const ForwardParams& p, int dst, int other,
