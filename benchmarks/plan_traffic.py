@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from prefixattn import PrefixAttention, tree_batch
-from prefixattn.bench import HEADS, PAGE1_TREES, PAT_TREES, plan_traffic
+from prefixattn.bench import HEADS, PAGE1_TREES, PAT_TREES, plan_traffic, suite_configs
 
 
 def _geo(xs: list[float]) -> float:
@@ -31,10 +31,8 @@ def _geo(xs: list[float]) -> float:
 def rows(
     trees: list[str], heads: list[tuple[int, int]], page_size: int, page1: list[str], d: int
 ) -> list[dict]:
-    configs = [(t, h, page_size) for t in trees for h in heads]
-    configs += [(t, (32, 8), 1) for t in page1]
     out = []
-    for spec, (hq, hkv), ps in configs:
+    for spec, (hq, hkv), ps in suite_configs(trees, heads, page_size, page1):
         table, lens = tree_batch(spec, ps, seed=0)
         pa = PrefixAttention(hq, hkv, d, ps, device="cpu", dtype=torch.bfloat16)
         tr = plan_traffic(pa.plan(table, lens))

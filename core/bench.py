@@ -88,6 +88,18 @@ def plan_traffic(plan: Any) -> dict[str, int]:
             "plan_reads": plan.kv_bytes + plan.qo_bytes + plan.partial_bytes}  # fmt: skip
 
 
+def suite_configs(
+    trees: Sequence[str],
+    heads: Sequence[tuple[int, int]],
+    page_size: int,
+    page1_trees: Sequence[str],
+) -> list[tuple[str, tuple[int, int], int]]:
+    """The benchmark's (tree, (q heads, KV heads), page size) configurations: every tree at
+    every head configuration and ``page_size``, then ``page1_trees`` at 32/8 and page size 1."""
+    configs = [(t, h, page_size) for t in trees for h in heads]
+    return configs + [(t, (32, 8), 1) for t in page1_trees]
+
+
 def with_env(name: str, value: str, call: Callable[[], object]) -> Callable[[], object]:
     """``call`` with the environment variable ``name`` set to ``value`` during each call (the
     CUDA launcher reads ``PREFIXATTN_LEAF_KERNEL`` per call), restored afterwards."""
@@ -392,10 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"HBM bandwidth (D2D copy): {bw / 1e9:.0f} GB/s")
     dtype, d = torch.bfloat16, args.head_dim
     rows = []
-    configs = [
-        (t, tuple(map(int, h.split(","))), args.page_size) for t in args.trees for h in args.heads
-    ]
-    configs += [(t, (32, 8), 1) for t in args.page1_trees]
+    heads = [(int(a), int(b)) for a, b in (h.split(",") for h in args.heads)]
+    configs = suite_configs(args.trees, heads, args.page_size, args.page1_trees)
     for spec, (hq, hkv), ps in configs:
         table, lens = tree_batch(spec, ps, seed=0)
         num_pages = int(table.max()) + 1
@@ -405,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         q = torch.randn(len(lens), hq, d, generator=gen, device="cuda").to(dtype)
         out = torch.empty_like(q)
         scale = 1 / math.sqrt(d)
-        row = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
+        row: dict[str, Any] = {"tree": spec, "heads": [hq, hkv], "page_size": ps}
         variants: list[tuple[str, Variant]] = [("prefixattn", MAIN)]
         if args.ablations is not None:
             variants += [(n, ABLATIONS[n]) for n in args.ablations or ABLATIONS]

@@ -112,10 +112,8 @@ struct LeafCopier {
     if (!done) {
       const int item = r.begin + pos.idx;
       set(p, p.kv_len[item], p.kv_page_indptr[item]);
-      PairPos after = pos;
-      fetch_pair_after(p, r, after, next_len, next_page0);
-      r.advance(after);
-      fetch_pair_after(p, r, after, next2_len, next2_page0);
+      fetch_pair_after(p, r, pos, next2_len, next2_page0);  // pair + 1, moved on next
+      fetch_next(p, r);
       load_pages(p);
     }
   }
