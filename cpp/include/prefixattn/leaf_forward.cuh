@@ -98,6 +98,11 @@ struct LeafCopier {
   int next_len, next_page0;    // of the pair after pos
   int next2_len, next2_page0;  // of the pair after that
   int tok0, col;
+  // The KV is streamed evict-first when the plan has other launches or a merge: the leaf
+  // pairs read their pages once, and the L2 is left to the partial rows and the pages that
+  // row chunks share (docs/kernel-notes.md v45). A plan of leaf pairs alone keeps the default
+  // policy, which streams faster on its own.
+  bool evict_first;
   uint32_t dst0;  // shared address of this lane's first K element in stage 0
   int pg[kRows];  // page ids of the next tile's rows (pg[0] only, where one page holds it)
 
@@ -108,6 +113,8 @@ struct LeafCopier {
     dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(warp_smem + tok0 * kRow + col));
     pos = r.first(static_cast<int>(blockIdx.x) * kLeafWarps + static_cast<int>(threadIdx.x >> 5));
     tile = stage = 0;
+    evict_first = p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
+                  p.counts[kCountMergeTokens] > 0;
     done = pos.w >= r.total;
     if (!done) {
       const int item = r.begin + pos.idx;
@@ -160,6 +167,7 @@ struct LeafCopier {
       const uint32_t vd = kd + static_cast<uint32_t>(kLeafTokens * kRow * sizeof(T));
       const int pos0 = tile * kLeafTokens + tok0;
       const bool single = one_page(p);
+      const uint64_t pol = l2_evict_first_policy();
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int ps = pos0 + i * kStep;
@@ -169,8 +177,13 @@ struct LeafCopier {
         const T* vs = v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
         const uint32_t off = static_cast<uint32_t>(i * kStep * kRow * sizeof(T));
         const bool valid = ps < kv_len;
-        cp_async_16(kd + off, ks, valid);
-        cp_async_16(vd + off, vs, valid);
+        if (evict_first) {
+          cp_async_16(kd + off, ks, valid, pol);
+          cp_async_16(vd + off, vs, valid, pol);
+        } else {
+          cp_async_16(kd + off, ks, valid);
+          cp_async_16(vd + off, vs, valid);
+        }
       }
       if (++tile == tiles) {
         tile = 0;
