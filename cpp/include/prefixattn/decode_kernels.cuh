@@ -769,7 +769,7 @@ struct PairCursor {
 // or past the item's end, so rows past the item's length rounded up to SLICE are never read
 // and are not copied; the rows before that past the end are zero-filled (masked keys carry
 // V = 0, never NaN). An empty item still gets its first slice of zeros.
-template <typename T, int ROWS, int SLICE>
+template <typename T, int ROWS, int SLICE, bool kEvictFirst = false>
 struct KvCopier {
   PairCursor<T> ld;
   int tile, sub, stage;  // tile within the KV head, KV head within the pair
@@ -807,6 +807,7 @@ struct KvCopier {
     const int needed = (max(ld.kv_len, 1) + SLICE - 1) / SLICE * SLICE;
     const uint32_t ks = static_cast<uint32_t>(__cvta_generic_to_shared(kd + dst0));
     const uint32_t vs = static_cast<uint32_t>(__cvta_generic_to_shared(vd + dst0));
+    const uint64_t pol = kEvictFirst ? l2_evict_first_policy() : 0;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
@@ -819,8 +820,13 @@ struct KvCopier {
       const T* ksrc = ld.k_base + (static_cast<uint64_t>(page) * spk + static_cast<uint32_t>(slot * stk));
       const T* vsrc = ld.v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
       const uint32_t off = static_cast<uint32_t>(i * dst_step * sizeof(T));
-      cp_async_16(ks + off, ksrc, valid);
-      cp_async_16(vs + off, vsrc, valid);
+      if constexpr (kEvictFirst) {
+        cp_async_16(ks + off, ksrc, valid, pol);
+        cp_async_16(vs + off, vsrc, valid, pol);
+      } else {
+        cp_async_16(ks + off, ksrc, valid);
+        cp_async_16(vs + off, vsrc, valid);
+      }
     }
   }
   // Copies the next tile of the stream into stage `stage` of k_s / v_s (stage_elems apart).
@@ -1016,7 +1022,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep.
   constexpr int kLdStep = kThreadsM / kChunks;  // rows per pass; a thread keeps its column
   constexpr int kLdRows = kTileN / kLdStep;     // rows per thread per tile
-  KvCopier<T, kLdRows, kKeys> cp;
+  KvCopier<T, kLdRows, kKeys, true> cp;
   cp.row0 = tid / kChunks;
   cp.step = kLdStep;
   cp.col = (tid % kChunks) * 8;
