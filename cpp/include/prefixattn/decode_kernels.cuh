@@ -769,6 +769,9 @@ struct PairCursor {
 // or past the item's end, so rows past the item's length rounded up to SLICE are never read
 // and are not copied; the rows before that past the end are zero-filled (masked keys carry
 // V = 0, never NaN). An empty item still gets its first slice of zeros.
+// kEvictFirst: the copies carry an L2 evict-first policy, for launches whose items rarely
+// share pages (docs/kernel-notes.md v46); the `wgmma` producer, whose 128-row items are often
+// row chunks of one node reading the same pages, keeps the default.
 template <typename T, int ROWS, int SLICE, bool kEvictFirst = false>
 struct KvCopier {
   PairCursor<T> ld;
@@ -1022,7 +1025,7 @@ __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardPa
   // ---- loads: thread tid copies chunk tid % kChunks of keys tid / kChunks + i kLdStep.
   constexpr int kLdStep = kThreadsM / kChunks;  // rows per pass; a thread keeps its column
   constexpr int kLdRows = kTileN / kLdStep;     // rows per thread per tile
-  KvCopier<T, kLdRows, kKeys, true> cp;
+  KvCopier<T, kLdRows, kKeys, /*kEvictFirst=*/true> cp;  // items of <= 64 rows: read-once KV
   cp.row0 = tid / kChunks;
   cp.step = kLdStep;
   cp.col = (tid % kChunks) * 8;
