@@ -155,4 +155,5 @@ def run_plan_cuda(
         bool(chained),
         int(plan.num_finished),
         bool(finish),
+        int(plan.leaf_max_rows),
     )

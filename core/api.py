@@ -639,6 +639,8 @@ class PrefixAttention:
             )
             forest, host, tiles, tile_indptr, acc = build(one)
         bounds = variant_bounds(tiles, tile_indptr)
+        leaf_rows = np.diff(host.q_indptr)[bounds[0] : bounds[1]]
+        leaf_max_rows = int(leaf_rows.max(initial=0)) * self._shape.group_size
         num_finished = 0
         if self.finish_in_leaf and self.head_dim <= 128:
             # Merged tokens with one slot in the leaf kernel's items (the 16-row variant): that
@@ -725,6 +727,7 @@ class PrefixAttention:
             host=host,
             forest=forest,
             num_finished=num_finished,
+            leaf_max_rows=leaf_max_rows,
         )
         if remember:
             self._plan = plan

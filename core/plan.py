@@ -188,6 +188,10 @@ class LaunchPlan:
     """Merged tokens the leaf launch finishes (the last ``num_finished`` of
     ``merge_tokens``; see ``prefixattn.packer.finish_in_leaf``): their leaf slot has
     ``q_out <= -2``, and the merge launch takes the others."""
+    leaf_max_rows: int = -1
+    """The most query rows (tokens x GQA group) of an item of the 16-row tile group (0 when
+    the group is empty; -1: not known). The leaf kernel runs a narrower form, with fewer
+    registers, when it is at most 8."""
 
     @property
     def total_bytes(self) -> int:

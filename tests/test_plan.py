@@ -444,3 +444,17 @@ def test_no_finishing_without_the_leaf_kernel() -> None:
     plan = pa.plan(table, lens)
     assert plan.num_merge_tokens > 0 and plan.num_finished == 0
     check_merge_layout(plan)
+
+
+def test_leaf_max_rows() -> None:
+    # The most rows of a 16-row item, which picks the leaf kernel's form on the GPU.
+    table, lens = tree_batch("1,256_256,32", 16)
+    assert PrefixAttention(32, 8, 128, 16).plan(table, lens).leaf_max_rows == 4
+    assert PrefixAttention(16, 1, 128, 16).plan(table, lens).leaf_max_rows == 16
+    # Three tokens of one request at group 4: a 12-row item.
+    plan = PrefixAttention(32, 8, 128, 16).plan(table[:1], lens[:1], np.array([0, 3]))
+    assert plan.leaf_max_rows == 12
+    # No 16-row items at all.
+    table, lens = tree_batch("1,10_4096,416", 16)
+    plan = PrefixAttention(32, 8, 128, 16).plan(table, lens)
+    assert all(m > 16 for m, _ in plan.tiles) and plan.leaf_max_rows == 0

@@ -145,8 +145,18 @@ bool leaf_kernel_enabled() {
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
+// The leaf launch of a plan whose 16-row items have at most 8 rows runs the 8-column leaf
+// kernel unless PREFIXATTN_LEAF_NARROW is "0" (read per call, for tests and ablations).
+bool narrow_leaf_enabled() {
+  const char* v = std::getenv("PREFIXATTN_LEAF_NARROW");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// narrow_leaf: every item of the 16-row variant has at most 8 query rows (the leaf kernel's
+// one-column-block form; see forward_leaf_kernel).
 template <typename T, int D>
-void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool chained) {
+void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool chained,
+                    bool narrow_leaf) {
   if constexpr (D <= 128) {
     // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
     // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
@@ -156,10 +166,15 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
       case 0:
         // One warp per (item, KV head) pair (leaf_forward.cuh); PREFIXATTN_LEAF_KERNEL=0 runs
         // the 16-row tile of forward_mma_kernel instead (key-split warps, packed heads).
-        if (leaf_kernel_enabled())
-          return launch<forward_leaf_kernel<T, D, kLeafStages>>(
-              kLeafWarps * 32, forward_leaf_smem_bytes<D, kLeafStages>(), p,
-              pairs < 0 ? -1 : (pairs + kLeafWarps - 1) / kLeafWarps, stream, chained);
+        if (leaf_kernel_enabled()) {
+          const int grid = pairs < 0 ? -1 : (pairs + kLeafWarps - 1) / kLeafWarps;
+          constexpr int smem = forward_leaf_smem_bytes<D, kLeafStages>();
+          if (narrow_leaf)
+            return launch<forward_leaf_kernel<T, D, kLeafStages, 1>>(kLeafWarps * 32, smem, p,
+                                                                     grid, stream, chained);
+          return launch<forward_leaf_kernel<T, D, kLeafStages, 2>>(kLeafWarps * 32, smem, p,
+                                                                   grid, stream, chained);
+        }
         return launch<forward_mma_kernel<T, D, 4, 4, S>>(128,
                             forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream, chained);
       case 1: return launch<forward_mma_kernel<T, D, 4, 2, S>>(128,
@@ -185,11 +200,12 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
 }
 
 template <typename T>
-void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s, bool chained) {
+void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s, bool chained,
+                        bool narrow_leaf) {
   switch (D) {
-    case 64: return launch_variant<T, 64>(p, pairs, s, chained);
-    case 128: return launch_variant<T, 128>(p, pairs, s, chained);
-    case 256: return launch_variant<T, 256>(p, pairs, s, chained);
+    case 64: return launch_variant<T, 64>(p, pairs, s, chained, narrow_leaf);
+    case 128: return launch_variant<T, 128>(p, pairs, s, chained, narrow_leaf);
+    case 256: return launch_variant<T, 256>(p, pairs, s, chained, narrow_leaf);
     default: TORCH_CHECK(false, "prefixattn: head_dim ", D, " unsupported (64, 128, 256)");
   }
 }
@@ -228,7 +244,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
                    bool concurrent, int64_t fixed_variants, bool chained, int64_t num_finished,
-                   bool finish) {
+                   bool finish, int64_t leaf_max_rows) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -382,6 +398,11 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                          (fixed || num_finished > 0);
   if (finishing) std::reverse(launches, launches + num_launches);
   p.finish = finishing ? 1 : 0;
+  // The leaf kernel's one-column-block form, for a plan known on the host to have no 16-row
+  // item of more than 8 rows (not under a fixed grid: a replay may run any plan). A finishing
+  // leaf launch keeps the general form, which measured faster there (docs/kernel-notes.md v52).
+  const bool narrow_leaf = !fixed && !finishing && leaf_max_rows >= 0 && leaf_max_rows <= 8 &&
+                           narrow_leaf_enabled();
   const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
   const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
   for (int i = 0; i < num_launches; ++i) {
@@ -397,9 +418,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     const bool link = chain && i > 0;
     p.chain_next = chain && (i + 1 < num_launches || merge_runs) ? 1 : 0;
     if (q.scalar_type() == at::kHalf)
-      launch_variant_dim<half>(D, p, pairs, s, link);
+      launch_variant_dim<half>(D, p, pairs, s, link, narrow_leaf);
     else
-      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s, link);
+      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s, link, narrow_leaf);
     if (s != stream) {
       C10_CUDA_CHECK(cudaEventRecord(groups->join[i - 1], s));
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));

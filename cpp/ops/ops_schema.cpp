@@ -15,6 +15,8 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // lets each launch after the first start while the one before it drains (serial groups);
   // finish lets the leaf launch run last and finish the plan's num_finished merged tokens
   // (q_out = -2 - (16 j + n)), the merge launch taking the others (counts[kCountMergeOpen]).
+  // leaf_max_rows: the most query rows of an item of the 16-row tile group (-1: not known);
+  // at most 8 lets the leaf launch run the leaf kernel's narrower form.
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
@@ -22,5 +24,6 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
       "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
-      "int fixed_variants=-1, bool chained=False, int num_finished=0, bool finish=False) -> ()");
+      "int fixed_variants=-1, bool chained=False, int num_finished=0, bool finish=False, "
+      "int leaf_max_rows=-1) -> ()");
 }

@@ -170,6 +170,42 @@ def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
 
 
+@pytest.mark.parametrize(
+    "case",
+    [CASES[0], CASES[2], CASES[3], CASES[8], CASES[9]],
+    ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}",
+)
+def test_narrow_leaf_kernel_matches_general_form(case, monkeypatch):
+    """A plan whose 16-row items have at most 8 rows (one decode token at group <= 8) runs the
+    leaf kernel's one-column-block form unless PREFIXATTN_LEAF_NARROW=0: both forms write the
+    same bits, and the reference's values."""
+    hq, hkv, d, ps, dtype, layout, inter = case
+    table, lens = tree_batch("1,32_96,50", ps, seed=5)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
+    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    pa.one_launch_in_one_wave = False
+    pa.finish_in_leaf = False  # the narrow form runs only where the leaf launch does not finish
+    plan = pa.plan(table, lens, qo_indptr)
+    assert plan.leaf_max_rows == hq // hkv and plan.num_finished == 0, plan.summary()
+    assert any(m == 16 for m, _ in plan.tiles), plan.summary()
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    for narrow in ("1", "0"):
+        monkeypatch.setenv("PREFIXATTN_LEAF_NARROW", narrow)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    err = (outs[0].float() - ref).abs().max().item()
+    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
+    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+
+
 @pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_scale_and_rising_scores(scale, qlen):

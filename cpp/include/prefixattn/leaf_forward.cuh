@@ -490,12 +490,17 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 }  // namespace detail
 
 // One warp per (item, KV head) pair; 4 independent warps per block (see the top of this file).
-template <typename T, int D, int STAGES>
+// NC_MAX: the column blocks a pair may need, 2 (items of up to 16 rows) or 1 (at most 8 rows,
+// which the caller guarantees: rows 8-15 of a larger item would not be computed). Without the
+// 16-row form the kernel needs 190 registers instead of 250 at head_dim 128, and streams plans
+// of many short pairs up to 9% faster (docs/kernel-notes.md v52).
+template <typename T, int D, int STAGES, int NC_MAX>
 __global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 ? 3 : 2) forward_leaf_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
   static_assert(STAGES >= 2, "the copies run STAGES - 1 tiles ahead of the math");
+  static_assert(NC_MAX == 1 || NC_MAX == 2, "one or two blocks of 8 columns");
   constexpr int kRow = D + kPad;
   constexpr int kStageElems = 2 * kLeafTokens * kRow;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -544,7 +549,7 @@ __global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 ? 3 : 2) forward_leaf
     if (has(1)) r1.load_q(p, lane);
     if (has(2)) r2.load_slots(p, d2, 0, lane);
     if (has(3)) d3.load(p, range, pos[3]);
-    if (d0.rows > 8) {  // warp-uniform
+    if (NC_MAX == 2 && d0.rows > 8) {  // warp-uniform
       hi.load(p, d0, 8, lane);
       leaf_pair<T, D, STAGES, 2>(p, range, cp, ws, stage, k_lane, v_lane, lane, d0, r0, hi);
     } else {
