@@ -48,7 +48,9 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # "tile16" runs the 16-row variant on the 16-row tile of forward_mma_kernel instead of the
 # leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call), "merge_all"
 # leaves every merged token to the merge launch (``PrefixAttention.finish_in_leaf`` off: the
-# leaf launch runs first and finishes nothing), "fixed_merge_all" the same under fixed grids.
+# leaf launch runs first and finishes nothing), "fixed_merge_all" the same under fixed grids,
+# "wide_leaf" keeps the leaf kernel's general form where the plan would take its narrow one
+# (``PREFIXATTN_LEAF_NARROW=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -66,6 +68,7 @@ ABLATIONS: dict[str, Variant] = {
     "tile16": MAIN,
     "merge_all": MAIN,
     "fixed_merge_all": ("memory", True, None, 0, True, False),
+    "wide_leaf": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -102,7 +105,8 @@ def suite_configs(
 
 def with_env(name: str, value: str, call: Callable[[], object]) -> Callable[[], object]:
     """``call`` with the environment variable ``name`` set to ``value`` during each call (the
-    CUDA launcher reads ``PREFIXATTN_LEAF_KERNEL`` per call), restored afterwards."""
+    CUDA launcher reads ``PREFIXATTN_LEAF_KERNEL`` and ``PREFIXATTN_LEAF_NARROW`` per call),
+    restored afterwards."""
 
     def wrapped() -> object:
         old = os.environ.get(name)
@@ -441,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             if name == "tile16":
                 calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
+            if name == "wide_leaf":
+                calls[name] = with_env("PREFIXATTN_LEAF_NARROW", "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)
@@ -513,7 +519,8 @@ def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "plan_floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
-                        "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us", "fixed_merge_all_us")
+                        "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us", "fixed_merge_all_us",
+                        "wide_leaf_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
     lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
              f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",

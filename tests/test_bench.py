@@ -215,7 +215,7 @@ def test_with_env_sets_the_variable_only_during_the_call(monkeypatch) -> None:  
 
     from prefixattn.bench import ABLATIONS, with_env
 
-    assert "tile16" in ABLATIONS
+    assert "tile16" in ABLATIONS and "wide_leaf" in ABLATIONS
     monkeypatch.delenv("PREFIXATTN_LEAF_KERNEL", raising=False)
     seen = []
     call = with_env(
