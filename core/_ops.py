@@ -156,4 +156,5 @@ def run_plan_cuda(
         int(plan.num_finished),
         bool(finish),
         int(plan.leaf_max_rows),
+        int(plan.leaf_tiles),
     )

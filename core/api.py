@@ -23,6 +23,7 @@ from .forest import build_forest
 from .native_plan import build_plan_native, native_plan_available
 from .packer import (
     LEAF_PAIRS_PER_SM,
+    LEAF_TILE_TOKENS,
     MIN_SPLIT_TOKENS,
     PACKINGS,
     BatchShape,
@@ -641,6 +642,8 @@ class PrefixAttention:
         bounds = variant_bounds(tiles, tile_indptr)
         leaf_rows = np.diff(host.q_indptr)[bounds[0] : bounds[1]]
         leaf_max_rows = int(leaf_rows.max(initial=0)) * self._shape.group_size
+        leaf_len = host.kv_len[bounds[0] : bounds[1]].astype(np.int64)
+        leaf_tiles = int((-(-leaf_len // LEAF_TILE_TOKENS)).sum())
         num_finished = 0
         if self.finish_in_leaf and self.head_dim <= 128:
             # Merged tokens with one slot in the leaf kernel's items (the 16-row variant): that
@@ -728,6 +731,7 @@ class PrefixAttention:
             forest=forest,
             num_finished=num_finished,
             leaf_max_rows=leaf_max_rows,
+            leaf_tiles=leaf_tiles,
         )
         if remember:
             self._plan = plan

@@ -192,6 +192,10 @@ class LaunchPlan:
     """The most query rows (tokens x GQA group) of an item of the 16-row tile group (0 when
     the group is empty; -1: not known). The leaf kernel runs a narrower form, with fewer
     registers, when it is at most 8."""
+    leaf_tiles: int = -1
+    """The 16-token tiles of the 16-row tile group's items, summed (-1: not known). Where they
+    average at most 3 per item, the leaf kernel's narrow form runs more warps per SM, each a
+    tile ahead."""
 
     @property
     def total_bytes(self) -> int:

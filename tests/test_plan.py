@@ -449,7 +449,9 @@ def test_no_finishing_without_the_leaf_kernel() -> None:
 def test_leaf_max_rows() -> None:
     # The most rows of a 16-row item, which picks the leaf kernel's form on the GPU.
     table, lens = tree_batch("1,256_256,32", 16)
-    assert PrefixAttention(32, 8, 128, 16).plan(table, lens).leaf_max_rows == 4
+    plan = PrefixAttention(32, 8, 128, 16).plan(table, lens)
+    assert plan.leaf_max_rows == 4
+    assert plan.leaf_tiles == 256 * 2  # 256 leaves of 32 tokens: 2 tiles of 16 each
     assert PrefixAttention(16, 1, 128, 16).plan(table, lens).leaf_max_rows == 16
     # Three tokens of one request at group 4: a 12-row item.
     plan = PrefixAttention(32, 8, 128, 16).plan(table[:1], lens[:1], np.array([0, 3]))
@@ -457,4 +459,4 @@ def test_leaf_max_rows() -> None:
     # No 16-row items at all.
     table, lens = tree_batch("1,10_4096,416", 16)
     plan = PrefixAttention(32, 8, 128, 16).plan(table, lens)
-    assert all(m > 16 for m, _ in plan.tiles) and plan.leaf_max_rows == 0
+    assert all(m > 16 for m, _ in plan.tiles) and plan.leaf_max_rows == plan.leaf_tiles == 0

@@ -152,11 +152,15 @@ bool narrow_leaf_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-// narrow_leaf: every item of the 16-row variant has at most 8 query rows (the leaf kernel's
-// one-column-block form; see forward_leaf_kernel).
+// The leaf kernel's forms (forward_leaf_kernel): every item of the 16-row variant has at most
+// 8 query rows (kLeafNarrow: one column block), and its items are also short (kLeafShort: 2
+// stages, 3 blocks per SM at head_dim 128).
+constexpr int kLeafGeneral = 0, kLeafNarrow = 1, kLeafShort = 2;
+constexpr int kLeafShortTiles = 3;  // the short form's largest mean tiles per item
+
 template <typename T, int D>
 void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool chained,
-                    bool narrow_leaf) {
+                    int leaf_form) {
   if constexpr (D <= 128) {
     // Tensor cores: 4 warps split the keys of a 16-row tile 4 ways, a 32-row tile 2 ways; 64
     // rows use 4 warps of 16 rows each (mma.sync); 128 rows two warpgroups of 64 rows (wgmma).
@@ -169,7 +173,12 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
         if (leaf_kernel_enabled()) {
           const int grid = pairs < 0 ? -1 : (pairs + kLeafWarps - 1) / kLeafWarps;
           constexpr int smem = forward_leaf_smem_bytes<D, kLeafStages>();
-          if (narrow_leaf)
+          if constexpr (D == 128) {
+            if (leaf_form == kLeafShort)
+              return launch<forward_leaf_kernel<T, D, 2, 1>>(
+                  kLeafWarps * 32, forward_leaf_smem_bytes<D, 2>(), p, grid, stream, chained);
+          }
+          if (leaf_form != kLeafGeneral)
             return launch<forward_leaf_kernel<T, D, kLeafStages, 1>>(kLeafWarps * 32, smem, p,
                                                                      grid, stream, chained);
           return launch<forward_leaf_kernel<T, D, kLeafStages, 2>>(kLeafWarps * 32, smem, p,
@@ -201,11 +210,11 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
 
 template <typename T>
 void launch_variant_dim(int D, const ForwardParams& p, int pairs, cudaStream_t s, bool chained,
-                        bool narrow_leaf) {
+                        int leaf_form) {
   switch (D) {
-    case 64: return launch_variant<T, 64>(p, pairs, s, chained, narrow_leaf);
-    case 128: return launch_variant<T, 128>(p, pairs, s, chained, narrow_leaf);
-    case 256: return launch_variant<T, 256>(p, pairs, s, chained, narrow_leaf);
+    case 64: return launch_variant<T, 64>(p, pairs, s, chained, leaf_form);
+    case 128: return launch_variant<T, 128>(p, pairs, s, chained, leaf_form);
+    case 256: return launch_variant<T, 256>(p, pairs, s, chained, leaf_form);
     default: TORCH_CHECK(false, "prefixattn: head_dim ", D, " unsupported (64, 128, 256)");
   }
 }
@@ -244,7 +253,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
                    bool concurrent, int64_t fixed_variants, bool chained, int64_t num_finished,
-                   bool finish, int64_t leaf_max_rows) {
+                   bool finish, int64_t leaf_max_rows, int64_t leaf_tiles) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -401,8 +410,13 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // The leaf kernel's one-column-block form, for a plan known on the host to have no 16-row
   // item of more than 8 rows (not under a fixed grid: a replay may run any plan). A finishing
   // leaf launch keeps the general form, which measured faster there (docs/kernel-notes.md v52).
+  // Where the items average at most 3 tiles of 16 tokens (leaf_tiles, also from the host), the
+  // short form: more warps, each a tile ahead, beat fewer warps two tiles ahead (v53).
   const bool narrow_leaf = !fixed && !finishing && leaf_max_rows >= 0 && leaf_max_rows <= 8 &&
                            narrow_leaf_enabled();
+  const bool short_leaf = narrow_leaf && leaf_tiles >= 0 &&
+                          leaf_tiles <= static_cast<int64_t>(kLeafShortTiles) * variant_items[0];
+  const int leaf_form = short_leaf ? kLeafShort : narrow_leaf ? kLeafNarrow : kLeafGeneral;
   const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
   const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
   for (int i = 0; i < num_launches; ++i) {
@@ -418,9 +432,9 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     const bool link = chain && i > 0;
     p.chain_next = chain && (i + 1 < num_launches || merge_runs) ? 1 : 0;
     if (q.scalar_type() == at::kHalf)
-      launch_variant_dim<half>(D, p, pairs, s, link, narrow_leaf);
+      launch_variant_dim<half>(D, p, pairs, s, link, leaf_form);
     else
-      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s, link, narrow_leaf);
+      launch_variant_dim<__nv_bfloat16>(D, p, pairs, s, link, leaf_form);
     if (s != stream) {
       C10_CUDA_CHECK(cudaEventRecord(groups->join[i - 1], s));
       C10_CUDA_CHECK(cudaStreamWaitEvent(stream, groups->join[i - 1], 0));

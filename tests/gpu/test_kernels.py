@@ -170,17 +170,19 @@ def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
 
 
+@pytest.mark.parametrize("spec", ["1,32_96,50", "1,32_96,20"])
 @pytest.mark.parametrize(
     "case",
     [CASES[0], CASES[2], CASES[3], CASES[8], CASES[9]],
     ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}",
 )
-def test_narrow_leaf_kernel_matches_general_form(case, monkeypatch):
+def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
     """A plan whose 16-row items have at most 8 rows (one decode token at group <= 8) runs the
-    leaf kernel's one-column-block form unless PREFIXATTN_LEAF_NARROW=0: both forms write the
-    same bits, and the reference's values."""
+    leaf kernel's one-column-block form unless PREFIXATTN_LEAF_NARROW=0, and, where those items
+    average at most 3 tiles (20-token leaves; 50-token ones average 4), its short form: each
+    writes the same bits as the general form, and the reference's values."""
     hq, hkv, d, ps, dtype, layout, inter = case
-    table, lens = tree_batch("1,32_96,50", ps, seed=5)
+    table, lens = tree_batch(spec, ps, seed=5)
     num_pages = int(table.max()) + 1
     gen = torch.Generator(device=DEV).manual_seed(5)
     k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
@@ -191,6 +193,8 @@ def test_narrow_leaf_kernel_matches_general_form(case, monkeypatch):
     pa.finish_in_leaf = False  # the narrow form runs only where the leaf launch does not finish
     plan = pa.plan(table, lens, qo_indptr)
     assert plan.leaf_max_rows == hq // hkv and plan.num_finished == 0, plan.summary()
+    short = plan.leaf_tiles <= 3 * (plan.tile_indptr[1] - plan.tile_indptr[0])
+    assert short == (spec.endswith(",20") and ps != 64), plan.summary()  # 64: 52-token leaves
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
     scale = 1.0 / math.sqrt(d)
     outs = []

@@ -492,10 +492,13 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 // One warp per (item, KV head) pair; 4 independent warps per block (see the top of this file).
 // NC_MAX: the column blocks a pair may need, 2 (items of up to 16 rows) or 1 (at most 8 rows,
 // which the caller guarantees: rows 8-15 of a larger item would not be computed). Without the
-// 16-row form the kernel needs 190 registers instead of 250 at head_dim 128, and streams plans
-// of many short pairs up to 9% faster (docs/kernel-notes.md v52).
+// 16-row form the kernel needs 190 registers instead of 250 at head_dim 128 (docs/kernel-notes.md
+// v52). With NC_MAX = 1 and 2 stages at head_dim 128 it fits 3 blocks per SM (168 registers,
+// 70 KB of shared memory): 12 warps, each a tile ahead, for plans of short pairs (v53).
 template <typename T, int D, int STAGES, int NC_MAX>
-__global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 ? 3 : 2) forward_leaf_kernel(const ForwardParams p) {
+__global__ void __launch_bounds__(kLeafWarps * 32,
+                                  D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
+    forward_leaf_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
