@@ -494,7 +494,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 // which the caller guarantees: rows 8-15 of a larger item would not be computed). Without the
 // 16-row form the kernel needs 190 registers instead of 250 at head_dim 128 (docs/kernel-notes.md
 // v52). With NC_MAX = 1 and 2 stages at head_dim 128 it fits 3 blocks per SM (168 registers,
-// 70 KB of shared memory): 12 warps, each a tile ahead, for plans of short pairs (v53).
+// 68 KB of shared memory): 12 warps, each a tile ahead, for plans of short pairs (v53).
 template <typename T, int D, int STAGES, int NC_MAX>
 __global__ void __launch_bounds__(kLeafWarps * 32,
                                   D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
