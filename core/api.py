@@ -666,10 +666,9 @@ class PrefixAttention:
         if self.pack_heads and bounds[1] > bounds[0]:
             # As many KV heads per pair as the 16-row items' rows allow, while the launch
             # keeps at least one pair per SM.
-            rows = int(np.diff(host.q_indptr)[bounds[0] : bounds[1]].max()) * shape.group_size
             sms = target if target > 0 else _split_target(self.device)
-            heads = packed_heads(rows, self.num_kv_heads, bounds[1] - bounds[0], sms)
-            assert rows * heads <= VARIANT_ROWS[0] and self.num_kv_heads % heads == 0
+            heads = packed_heads(leaf_max_rows, self.num_kv_heads, bounds[1] - bounds[0], sms)
+            assert leaf_max_rows * heads <= VARIANT_ROWS[0] and self.num_kv_heads % heads == 0
         counts = np.asarray(
             [len(host.kv_len), len(host.q_tokens), len(host.kv_pages), len(host.merge_tokens),
              acc["num_partials"], num_tokens, *bounds, heads,

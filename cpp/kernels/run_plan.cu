@@ -135,22 +135,22 @@ void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream
   if (grid > 0) launch_kernel(kernel, grid, threads, smem, stream, chained, p);
 }
 
-// The leaf kernel runs the 16-row variant unless PREFIXATTN_LEAF_KERNEL is "0" (read per
-// call, so a benchmark can time both kernels in one process).
-bool leaf_kernel_enabled() {
-  const char* v = std::getenv("PREFIXATTN_LEAF_KERNEL");
+// A launcher switch that is on unless the environment variable `name` is "0" (read per call,
+// so a benchmark or a test can time or compare both settings in one process).
+bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
+
+// The leaf kernel runs the 16-row variant unless PREFIXATTN_LEAF_KERNEL is "0".
+bool leaf_kernel_enabled() { return switch_on("PREFIXATTN_LEAF_KERNEL"); }
 
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
 // The leaf launch of a plan whose 16-row items have at most 8 rows runs the 8-column leaf
-// kernel unless PREFIXATTN_LEAF_NARROW is "0" (read per call, for tests and ablations).
-bool narrow_leaf_enabled() {
-  const char* v = std::getenv("PREFIXATTN_LEAF_NARROW");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+// kernel unless PREFIXATTN_LEAF_NARROW is "0".
+bool narrow_leaf_enabled() { return switch_on("PREFIXATTN_LEAF_NARROW"); }
 
 // The leaf kernel's forms (forward_leaf_kernel): every item of the 16-row variant has at most
 // 8 query rows (kLeafNarrow: one column block), and its items are also short (kLeafShort: 2
