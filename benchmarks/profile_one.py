@@ -2,6 +2,8 @@
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
         python benchmarks/profile_one.py --tree 1,1024_2048,32 --heads 32,8
+
+--flashinfer runs FlashInfer's batch decode on the same inputs instead (the bench's wrapper).
 """
 
 import argparse
@@ -21,6 +23,7 @@ ap.add_argument("--head-dim", type=int, default=128)
 ap.add_argument("--packing", default="memory")
 ap.add_argument("--no-split", action="store_true")
 ap.add_argument("--iters", type=int, default=3)
+ap.add_argument("--flashinfer", action="store_true")
 args = ap.parse_args()
 hq, hkv = map(int, args.heads.split(","))
 d, ps = args.head_dim, args.page_size
@@ -34,6 +37,14 @@ pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=torch.bfloa
 plan = pa.plan(table, lens, packing=args.packing, split_kv=not args.no_split)
 print(plan.summary())
 ws = _ops.Workspace("cuda")
-for _ in range(args.iters):
+if args.flashinfer:
+    import flashinfer
+
+    from prefixattn.bench import _flashinfer_decode
+
+    call = _flashinfer_decode(torch, flashinfer, table, lens, ps, hq, hkv, d, q, k, v)
+    for _ in range(args.iters):
+        call()
+for _ in range(0 if args.flashinfer else args.iters):
     _ops.run_plan_cuda(plan, q, k, v, out, 1 / math.sqrt(d), ws)
 torch.cuda.synchronize()

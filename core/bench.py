@@ -50,7 +50,9 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # leaves every merged token to the merge launch (``PrefixAttention.finish_in_leaf`` off: the
 # leaf launch runs first and finishes nothing), "fixed_merge_all" the same under fixed grids,
 # "wide_leaf" keeps the leaf kernel's general form where the plan would take its narrow one
-# (``PREFIXATTN_LEAF_NARROW=0`` around each call).
+# (``PREFIXATTN_LEAF_NARROW=0`` around each call), "full_grid" sizes launches of several rounds
+# to fill the GPU instead of giving every block the same number of rounds
+# (``PREFIXATTN_BALANCED_GRID=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -69,6 +71,7 @@ ABLATIONS: dict[str, Variant] = {
     "merge_all": MAIN,
     "fixed_merge_all": ("memory", True, None, 0, True, False),
     "wide_leaf": MAIN,
+    "full_grid": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -447,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
             if name == "wide_leaf":
                 calls[name] = with_env("PREFIXATTN_LEAF_NARROW", "0", calls[name])
+            if name == "full_grid":
+                calls[name] = with_env("PREFIXATTN_BALANCED_GRID", "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)

@@ -113,6 +113,16 @@ void launch_kernel(void (*kernel)(Params), int grid, int threads, int smem, cuda
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+// A launcher switch that is on unless the environment variable `name` is "0" (read per call,
+// so a benchmark or a test can time or compare both settings in one process).
+bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// Balanced grids for launches of several rounds (launch), unless PREFIXATTN_BALANCED_GRID is "0".
+bool balanced_grid_enabled() { return switch_on("PREFIXATTN_BALANCED_GRID"); }
+
 // Launch sizes of one variant: `pairs` (item, KV head) pairs known on the host (an upper bound
 // where the 16-row kernel packs several KV heads per pair: surplus blocks return at once), or
 // -1 when the launch must run any plan (fixed grid). The shared-memory opt-in applies to the current device
@@ -131,15 +141,15 @@ void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream
     full = fill_grid(kernel, threads, smem);
     slot.store(full, std::memory_order_relaxed);
   }
-  const int grid = pairs < 0 ? full : std::min(pairs, full);
+  int grid = pairs < 0 ? full : std::min(pairs, full);
+  // Balanced grid: where the grid stride runs several rounds, as many blocks as give every
+  // block the same number of rounds (8192 pairs on 1056 warp slots: 1024 warps of 8 pairs, not
+  // 800 of 8 and 256 of 7). PREFIXATTN_BALANCED_GRID=0 keeps the full grid.
+  if (pairs > full && balanced_grid_enabled()) {
+    const int rounds = (pairs + full - 1) / full;
+    grid = (pairs + rounds - 1) / rounds;
+  }
   if (grid > 0) launch_kernel(kernel, grid, threads, smem, stream, chained, p);
-}
-
-// A launcher switch that is on unless the environment variable `name` is "0" (read per call,
-// so a benchmark or a test can time or compare both settings in one process).
-bool switch_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 // The leaf kernel runs the 16-row variant unless PREFIXATTN_LEAF_KERNEL is "0".

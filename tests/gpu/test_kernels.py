@@ -210,6 +210,45 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
     assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
 
 
+@pytest.mark.parametrize(
+    "spec,heads",
+    [
+        ("300_40", (32, 32)),
+        ("300_40", (16, 8)),
+        ("2,150_48,24", (64, 8)),
+        ("1,4,16,512_64,32,16,8", (32, 32)),
+    ],
+)
+def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
+    """Launches of more pairs than the GPU holds at once run on a grid that gives every block
+    the same number of rounds unless PREFIXATTN_BALANCED_GRID=0: the same bits either way (each
+    pair's work does not depend on the warp that runs it), and the reference's values."""
+    hq, hkv = heads
+    d, ps, dtype = 128, 16, torch.bfloat16
+    table, lens = tree_batch(spec, ps, seed=6)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
+    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    for balanced in ("1", "0"):
+        monkeypatch.setenv("PREFIXATTN_BALANCED_GRID", balanced)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(
+            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+    err = (outs[0].float() - ref).abs().max().item()
+    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
+    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+
+
 @pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_scale_and_rising_scores(scale, qlen):
