@@ -38,9 +38,20 @@ namespace prefixattn {
 constexpr int kLeafWarps = 4;
 constexpr int kLeafTokens = 16;  // KV tokens per stage and warp
 
+// A stage holds K rows then V rows of 16 tokens, D halfs each with no padding; the 16-byte
+// chunk c of row r lies at chunk c ^ (r % 8) of its row (an XOR swizzle). So the ldmatrix rows
+// of one 8x8 matrix fall in different banks, and the two 16-byte halves of every 32-byte sector
+// a copy reads from global memory land in one 32-byte sector of shared memory: padded rows
+// (D + 8 halfs: every other row 16 bytes past a sector boundary) made the L1 fetch each of
+// those rows' sectors twice, 1.5 times the KV bytes from the L2 (docs/kernel-notes.md v54).
+// A block still asks for 16 bytes per stage row more than its stages use (kLeafSmemReserve),
+// the size the padded rows had: two blocks of the 3-stage forms (three of the short form)
+// then fill an SM's shared memory, and no block of another launch is placed beside them (v54:
+// without the reserve, 6 configurations ran x1.04-1.14 slower).
+constexpr int kLeafSmemReserve = 8;  // halfs per stage row
 template <int D, int STAGES>
 constexpr int forward_leaf_smem_bytes() {
-  return kLeafWarps * STAGES * 2 * kLeafTokens * (D + detail::kPad) * 2;
+  return kLeafWarps * STAGES * 2 * kLeafTokens * (D + kLeafSmemReserve) * 2;
 }
 
 namespace detail {
@@ -88,7 +99,7 @@ struct LeafCopier {
   static constexpr int kChunks = D / 8;
   static constexpr int kStep = 32 / kChunks;  // tokens per pass of the warp
   static constexpr int kRows = kLeafTokens / kStep;
-  static constexpr int kRow = D + kPad;
+  static constexpr int kRow = D;  // halfs per smem row (swizzled, forward_leaf_smem_bytes)
   PairPos pos;
   int kv_len, tiles, tile, stage;
   bool done;
@@ -98,19 +109,23 @@ struct LeafCopier {
   int next_len, next_page0;    // of the pair after pos
   int next2_len, next2_page0;  // of the pair after that
   int tok0, col;
+  uint32_t colx;  // bytes: this lane's chunk swizzled by tok0 (rows tok0 + i * kStep add (i * kStep) % 8)
   // The KV is streamed evict-first when the plan has other launches or a merge: the leaf
   // pairs read their pages once, and the L2 is left to the partial rows and the pages that
   // row chunks share (docs/kernel-notes.md v45). A plan of leaf pairs alone keeps the default
   // policy, which streams faster on its own.
   bool evict_first;
-  uint32_t dst0;  // shared address of this lane's first K element in stage 0
+  uint32_t dst0;  // shared address of this lane's first K row in stage 0
   int pg[kRows];  // page ids of the next tile's rows (pg[0] only, where one page holds it)
 
   __device__ __forceinline__ void start(const ForwardParams& p, const LeafPairs& r, int lane,
                                         T* warp_smem) {
     tok0 = lane / kChunks;
     col = (lane % kChunks) * 8;
-    dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(warp_smem + tok0 * kRow + col));
+    // Row r = tok0 + i * kStep with tok0 < kStep (powers of two up to 8): r % 8 = tok0 ^ ((i *
+    // kStep) % 8), so the swizzled chunk is (chunk ^ tok0) ^ ((i * kStep) % 8).
+    colx = static_cast<uint32_t>(((lane % kChunks) ^ tok0) * 16);
+    dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(warp_smem + tok0 * kRow));
     pos = r.first(static_cast<int>(blockIdx.x) * kLeafWarps + static_cast<int>(threadIdx.x >> 5));
     tile = stage = 0;
     evict_first = p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
@@ -175,7 +190,8 @@ struct LeafCopier {
         const uint32_t page = static_cast<uint32_t>(single ? pg[0] : pg[i]);
         const T* ks = k_base + (static_cast<uint64_t>(page) * spk + static_cast<uint32_t>(slot * stk));
         const T* vs = v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
-        const uint32_t off = static_cast<uint32_t>(i * kStep * kRow * sizeof(T));
+        const uint32_t off = static_cast<uint32_t>(i * kStep * kRow * sizeof(T)) +
+                             (colx ^ static_cast<uint32_t>(((i * kStep) & 7) * 16));
         const bool valid = ps < kv_len;
         if (evict_first) {
           cp_async_16(kd + off, ks, valid, pol);
@@ -348,7 +364,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
                                           LeafCopier<T, D, STAGES>& cp, const T* ws, int& stage,
                                           int k_lane, int v_lane, int lane, const LeafDesc& d,
                                           const LeafRows<T, D>& rw0, const LeafRows<T, D>& rw1) {
-  constexpr int kRow = D + kPad;
+  constexpr int kRow = D;
   constexpr int kMB = D / 16;  // 16-dim blocks of O^T
   constexpr int kKC = D / 16;  // 16-dim chunks of q.k
   constexpr int kStageElems = 2 * kLeafTokens * kRow;
@@ -384,7 +400,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 #pragma unroll
       for (int kc = 0; kc < kKC; ++kc) {
         uint32_t a[4];
-        ldmatrix_x4(a, st + k_lane + kc * 16);
+        ldmatrix_x4(a, st + (k_lane ^ (kc * 16)));
 #pragma unroll
         for (int c = 0; c < NC; ++c)
           mma16816<T>(s[NC == 1 ? (kc & 1) : c], a, rw(c).qb[kc][0], rw(c).qb[kc][1]);
@@ -434,7 +450,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 #pragma unroll
       for (int mb = 0; mb < kMB; ++mb) {
         uint32_t a[4];
-        ldmatrix_x4_trans(a, st + v_lane + mb * 16);
+        ldmatrix_x4_trans(a, st + (v_lane ^ (mb * 16)));
 #pragma unroll
         for (int c = 0; c < NC; ++c) mma16816<T>(o[c][mb], a, b[c][0], b[c][1]);
       }
@@ -492,9 +508,10 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 // One warp per (item, KV head) pair; 4 independent warps per block (see the top of this file).
 // NC_MAX: the column blocks a pair may need, 2 (items of up to 16 rows) or 1 (at most 8 rows,
 // which the caller guarantees: rows 8-15 of a larger item would not be computed). Without the
-// 16-row form the kernel needs 190 registers instead of 250 at head_dim 128 (docs/kernel-notes.md
-// v52). With NC_MAX = 1 and 2 stages at head_dim 128 it fits 3 blocks per SM (168 registers,
-// 68 KB of shared memory): 12 warps, each a tile ahead, for plans of short pairs (v53).
+// 16-row form the kernel needs 192 registers instead of 252 at head_dim 128 (docs/kernel-notes.md
+// v52, v54). With NC_MAX = 1 and 2 stages at head_dim 128 it fits 3 blocks per SM (168
+// registers, 68 KB of shared memory with the reserve): 12 warps, each a tile ahead, for plans
+// of short pairs (v53).
 template <typename T, int D, int STAGES, int NC_MAX>
 __global__ void __launch_bounds__(kLeafWarps * 32,
                                   D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
@@ -504,7 +521,7 @@ __global__ void __launch_bounds__(kLeafWarps * 32,
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
   static_assert(STAGES >= 2, "the copies run STAGES - 1 tiles ahead of the math");
   static_assert(NC_MAX == 1 || NC_MAX == 2, "one or two blocks of 8 columns");
-  constexpr int kRow = D + kPad;
+  constexpr int kRow = D;
   constexpr int kStageElems = 2 * kLeafTokens * kRow;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -521,10 +538,13 @@ __global__ void __launch_bounds__(kLeafWarps * 32,
 
   // ldmatrix lane addresses within a stage (element offsets). K (A operand, non-transposed):
   // matrix i = l / 8 = (keys +8 (i & 1), dims +8 (i >> 1)), row l % 8. V^T (A operand via
-  // .trans): matrix i = (keys +8 (i >> 1), dims +8 (i & 1)).
+  // .trans): matrix i = (keys +8 (i >> 1), dims +8 (i & 1)). Swizzled (row r's chunk c at
+  // c ^ (r % 8), r % 8 = l % 8): the chunk of 16-dim block kc is (2 kc + (i >> 1)) ^ (l % 8) =
+  // 2 kc ^ ((i >> 1) ^ (l % 8)), so the offset of block kc is k_lane ^ (16 kc) (rows are
+  // multiples of D >= 64 halfs, above the chunk bits).
   const int mi = lane >> 3, mr = lane & 7;
-  const int k_lane = (mr + 8 * (mi & 1)) * kRow + 8 * (mi >> 1);
-  const int v_lane = kLeafTokens * kRow + (mr + 8 * (mi >> 1)) * kRow + 8 * (mi & 1);
+  const int k_lane = (mr + 8 * (mi & 1)) * kRow + 8 * ((mi >> 1) ^ mr);
+  const int v_lane = kLeafTokens * kRow + (mr + 8 * (mi >> 1)) * kRow + 8 * ((mi & 1) ^ mr);
 
   // The math side's loads run in a pipeline over the warp's pairs, each stage a round of
   // independent loads a pair before the next needs it: when pair k starts, the descriptor of
