@@ -47,7 +47,7 @@ constexpr int kLeafTokens = 16;  // KV tokens per stage and warp
 // A block still asks for 16 bytes per stage row more than its stages use (kLeafSmemReserve),
 // the size the padded rows had: two blocks of the 3-stage forms (three of the short form)
 // then fill an SM's shared memory, and no block of another launch is placed beside them (v54:
-// without the reserve, 6 configurations ran x1.04-1.14 slower).
+// without the reserve, 6 configurations ran x1.04-1.15 slower).
 constexpr int kLeafSmemReserve = 8;  // halfs per stage row
 template <int D, int STAGES>
 constexpr int forward_leaf_smem_bytes() {
