@@ -43,6 +43,14 @@ def make_cache(num_pages, page_size, hkv, d, dtype, layout, interleaved, gen):
     return k, v
 
 
+def assert_close_to_reference(out, ref, dtype, plan, context=""):
+    """The kernels' output within 4 ulps of the dtype (relative to the reference's largest
+    value, at least 1) plus 1e-3 of the fp32 reference."""
+    err = (out.float() - ref).abs().max().item()
+    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
+    assert err <= tol, f"{context}max error {err} > {tol} ({plan.summary()})"
+
+
 def random_forest(rng, page_size, batch, max_shared_pages, max_private):
     """Requests grouped under a few random prefixes of whole pages, plus odd private tails."""
     num_prefixes = int(rng.integers(1, 4))
@@ -90,9 +98,7 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
                        chained=chained)  # fmt: skip
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert not torch.isnan(out).any(), "unwritten output elements"
-    err = (out.float() - ref).abs().max().item()
-    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
-    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+    assert_close_to_reference(out, ref, dtype, plan)
     return plan
 
 
@@ -205,9 +211,7 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    err = (outs[0].float() - ref).abs().max().item()
-    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
-    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+    assert_close_to_reference(outs[0], ref, dtype, plan)
 
 
 @pytest.mark.parametrize(
@@ -244,9 +248,7 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
-    err = (outs[0].float() - ref).abs().max().item()
-    tol = 4 * EPS[dtype] * max(ref.abs().max().item(), 1.0) + 1e-3
-    assert err <= tol, f"max error {err} > {tol} ({plan.summary()})"
+    assert_close_to_reference(outs[0], ref, dtype, plan)
 
 
 @pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
@@ -278,9 +280,7 @@ def test_scale_and_rising_scores(scale, qlen):
         _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV))
         ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
         assert not torch.isnan(out).any(), "unwritten output elements"
-        err = (out.float() - ref).abs().max().item()
-        tol = 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
-        assert err <= tol, f"{spec} scale {scale}: max error {err} > {tol} ({plan.summary()})"
+        assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{spec} scale {scale}: ")
 
 
 @pytest.mark.parametrize("fixed_grid", [False, True])
@@ -355,9 +355,7 @@ def test_leaf_launch_finishes_merged_tokens(mode, monkeypatch):
                            finish=mode != "merge_all")  # fmt: skip
         ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", 0.1)
         assert not torch.isnan(out).any(), f"{mode}: unwritten output or early-read partials"
-        err = (out.float() - ref).abs().max().item()
-        tol = 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
-        assert err <= tol, f"{mode}: max error {err} > {tol} ({plan.summary()})"
+        assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{mode}: ")
 
 
 @pytest.mark.parametrize("split_kv", [False, True])
