@@ -632,7 +632,8 @@ class PrefixAttention:
             # fits that height, so the items and chunks stay as they are; the split rule then
             # sees one launch, so it can only cut fewer parts (the plan stays in one wave).
             # The packer also sizes row chunks, merges and splits by the table's largest
-            # height: keep it, so every item (all fit ``top``) just selects ``top``.
+            # height: keep it, so every item (all fit ``top``) just selects ``top``. The table
+            # has no wide rule (``TileTable.wide_kv_len``): that rule already chose ``top``.
             top, largest = heights[-1], self.tiles.max_rows
             one = TileTable(
                 m_sizes=(top,) if top == largest else (top, largest),

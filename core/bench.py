@@ -11,6 +11,7 @@ model); the median over ``--iters`` calls is reported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import json
@@ -52,7 +53,8 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # "wide_leaf" keeps the leaf kernel's general form where the plan would take its narrow one
 # (``PREFIXATTN_LEAF_NARROW=0`` around each call), "full_grid" sizes launches of several rounds
 # to fill the GPU instead of giving every block the same number of rounds
-# (``PREFIXATTN_BALANCED_GRID=0`` around each call).
+# (``PREFIXATTN_BALANCED_GRID=0`` around each call), "no_wide" keeps items of 33-64 rows on
+# the 64-row tile whatever their KV length (``TileTable.wide_kv_len`` 0).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -72,6 +74,7 @@ ABLATIONS: dict[str, Variant] = {
     "fixed_merge_all": ("memory", True, None, 0, True, False),
     "wide_leaf": MAIN,
     "full_grid": MAIN,
+    "no_wide": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -436,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.split_target = target
             if name == "one_tile":
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
+            if name == "no_wide":
+                pa.tiles = dataclasses.replace(pa.tiles, wide_kv_len=0)
             if name == "per_height":
                 pa.one_launch_in_one_wave = False
             if name in ("merge_all", "fixed_merge_all"):

@@ -244,6 +244,8 @@ def build_plan_native(
         bool(split_kv),
         int(split_target),
         bool(forest_skips_idle),
+        int(table.wide_rows),
+        int(table.wide_kv_len),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()

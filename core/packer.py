@@ -319,7 +319,7 @@ def pack(
         if split_target > 0:
             chunk_rows = np.diff(np.append(chunk_first, len(slot_item))) * g
             m_sizes = np.asarray(table.m_sizes)
-            height = np.minimum(np.searchsorted(m_sizes, chunk_rows), len(m_sizes) - 1)
+            height = table.height_index(chunk_rows, chunk_len)
             launch_len = np.zeros(len(m_sizes), dtype=np.int64)
             np.add.at(launch_len, height, chunk_len)
             launch_share = shape.num_kv_heads * launch_len[height]  # x slots
@@ -362,7 +362,7 @@ def pack(
     m_sizes = np.asarray(table.m_sizes)
     n_bounds = np.asarray([b for b, _ in table.n_by_kv_len])
     n_sizes = np.asarray([n for _, n in table.n_by_kv_len])
-    mi = np.minimum(np.searchsorted(m_sizes, part_slots * g), len(m_sizes) - 1)
+    mi = table.height_index(part_slots * g, part_len)
     ni = np.minimum(np.searchsorted(n_bounds, part_len), len(n_sizes) - 1)
     key = m_sizes[mi] * 65536 + n_sizes[ni]
     alive = np.flatnonzero(live)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import numpy.typing as npt
+
 
 @dataclasses.dataclass(frozen=True)
 class TileTable:
@@ -18,18 +21,35 @@ class TileTable:
     m_sizes: ascending query-tile heights; the largest bounds the rows of one work item.
     n_by_kv_len: ((max_kv_len, n), ...) ascending; an item of KV length L takes the n of the
         first entry with L <= max_kv_len (the last entry's bound is ignored).
+    wide_rows, wide_kv_len: an item of more than ``wide_rows`` rows and at least
+        ``wide_kv_len`` KV tokens takes the largest height instead of the smallest that fits
+        (0: off). On sm90 the largest height is the warp-specialized ``wgmma`` tile, whose
+        producer warpgroup keeps the copies going while the consumers compute; the 64-row
+        ``mma.sync`` tile issues both from the same warps (docs/kernel-notes.md, v55).
     """
 
     m_sizes: tuple[int, ...]
     n_by_kv_len: tuple[tuple[int, int], ...]
+    wide_rows: int = 0
+    wide_kv_len: int = 0
 
     @property
     def max_rows(self) -> int:
         return self.m_sizes[-1]
 
+    def height_index(self, rows: npt.ArrayLike, kv_len: npt.ArrayLike) -> np.ndarray:
+        """Index into ``m_sizes`` of the height of items of ``rows`` rows and ``kv_len`` KV
+        tokens (ints or equal-shaped integer arrays)."""
+        m = np.asarray(self.m_sizes)
+        idx = np.minimum(np.searchsorted(m, rows), len(m) - 1)
+        if self.wide_kv_len > 0:
+            wide = (np.asarray(rows) > self.wide_rows) & (np.asarray(kv_len) >= self.wide_kv_len)
+            idx = np.where(wide, len(m) - 1, idx)
+        return idx
+
     def select(self, rows: int, kv_len: int) -> tuple[int, int]:
         """(m, n) for an item with ``rows`` query rows and ``kv_len`` KV tokens."""
-        m = next((m for m in self.m_sizes if m >= rows), self.m_sizes[-1])
+        m = self.m_sizes[int(self.height_index(rows, kv_len))]
         n = self.n_by_kv_len[-1][1]
         for bound, size in self.n_by_kv_len:
             if kv_len <= bound:
@@ -40,7 +60,14 @@ class TileTable:
 
 _SM90 = {
     64: TileTable(m_sizes=(16, 32, 64, 128), n_by_kv_len=((128, 64), (1 << 30, 128))),
-    128: TileTable(m_sizes=(16, 32, 64, 128), n_by_kv_len=((128, 64), (1 << 30, 128))),
+    # Items of 33-64 rows and at least 256 KV tokens run on the 128-row tile (v55: measured at
+    # head_dim 128 only).
+    128: TileTable(
+        m_sizes=(16, 32, 64, 128),
+        n_by_kv_len=((128, 64), (1 << 30, 128)),
+        wide_rows=32,
+        wide_kv_len=256,
+    ),
     256: TileTable(m_sizes=(16, 32, 64), n_by_kv_len=((1 << 30, 64),)),
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -190,26 +192,63 @@ def test_split_target_cuts_only_chunks_that_leave_sms_idle() -> None:
 
 def test_one_wave_plan_runs_as_one_launch() -> None:
     # 10 requests x group 4 under a 4096-token root: 10 leaf items (16-row tiles) and 6 root
-    # parts (64-row tiles), 16 items x 8 KV heads = 128 pairs <= 132: one wave. Every item
-    # takes the 64-row tile; the items themselves do not change.
+    # parts (40 rows, 688 tokens: the 128-row tile by the wide rule), 16 items x 8 KV heads =
+    # 128 pairs <= 132: one wave. Every item takes the 128-row tile; the items themselves do
+    # not change.
     table, lens = tree_batch("1,10_4096,416", 16)
     pa = PrefixAttention(32, 8, 128, 16)
     one = pa.plan(table, lens)
     pa.one_launch_in_one_wave = False
     per_height = pa.plan(table, lens)
-    assert sorted({m for m, _ in per_height.tiles}) == [16, 64]
-    assert sorted({m for m, _ in one.tiles}) == [64]
+    assert sorted({m for m, _ in per_height.tiles}) == [16, 128]
+    assert sorted({m for m, _ in one.tiles}) == [128]
     assert one.num_ctas == per_height.num_ctas == 128
     assert _item_multiset(one) == _item_multiset(per_height)
     assert one.num_partials == per_height.num_partials
     # More pairs than one wave (or a target of 0): tile heights stay per item.
     pa.one_launch_in_one_wave = True
     pa.split_target = 127
-    assert sorted({m for m, _ in pa.plan(table, lens).tiles}) == [16, 64]
+    assert sorted({m for m, _ in pa.plan(table, lens).tiles}) == [16, 128]
     table, lens = tree_batch("1,256_256,32", 16)
     pa = PrefixAttention(32, 8, 128, 16)
     big = pa.plan(table, lens)
     assert big.num_ctas > 132 and len({m for m, _ in big.tiles}) > 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    ("spec", "heads"),
+    [("8,16,32,256_512,512,256,32", (32, 8)), ("4,16,256,512_512,32,128,32", (16, 8)),
+     ("1,2,64_1024,256,256", (16, 8))],
+)  # fmt: skip
+def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[int, int]) -> None:
+    # Items of more than 32 rows and at least 256 KV tokens run on the 128-row tile (head_dim
+    # 128); shorter ones, and items of at most 32 rows, keep the smallest tile that fits.
+    # Without a split target (no split rule, which counts pairs per tile height) the rule
+    # changes tile heights only: the plan has the same items.
+    table, lens = tree_batch(spec, 16)
+    pa = PrefixAttention(*heads, 128, 16)
+    pa.native_plan = native
+    pa.one_launch_in_one_wave = False
+    assert (pa.tiles.wide_rows, pa.tiles.wide_kv_len) == (32, 256)
+    plan = pa.plan(table, lens)
+    rows = np.diff(plan.host.q_indptr) * (heads[0] // heads[1])
+    seen = set()
+    for t, (m, _) in enumerate(plan.tiles):
+        for w in range(plan.tile_indptr[t], plan.tile_indptr[t + 1]):
+            r, n = int(rows[w]), int(plan.host.kv_len[w])
+            wide = r > 32 and n >= 256
+            assert m == (128 if wide else min(x for x in (16, 32, 64, 128) if x >= r)), (r, n, m)
+            seen.add((wide, r > 32))
+    assert (True, True) in seen and (False, False) in seen
+    narrow = PrefixAttention(*heads, 128, 16)
+    narrow.native_plan = native
+    narrow.one_launch_in_one_wave = False
+    narrow.tiles = dataclasses.replace(narrow.tiles, wide_kv_len=0)
+    pa.split_target = narrow.split_target = 0
+    plain, wide = narrow.plan(table, lens), pa.plan(table, lens)
+    assert _item_multiset(plain) == _item_multiset(wide)
+    assert plain.num_partials == wide.num_partials
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -559,7 +559,9 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   // (the KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into
   // parts no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens.
   const int64_t n_heights = static_cast<int64_t>(p.m_sizes.size());
-  auto height_of = [&](int64_t rows) {
+  // The height of an item of `rows` rows and `len` KV tokens (tiles.TileTable.height_index).
+  auto height_of = [&](int64_t rows, int64_t len) {
+    if (p.wide_kv_len > 0 && rows > p.wide_rows && len >= p.wide_kv_len) return n_heights - 1;
     return std::min<int64_t>(
         std::lower_bound(p.m_sizes.begin(), p.m_sizes.end(), rows) - p.m_sizes.begin(),
         n_heights - 1);
@@ -567,8 +569,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   std::vector<int64_t> launch_len(n_heights, 0);
   if (p.split_kv && p.split_target > 0) {
     for (int64_t c = 0; c < n_chunks; ++c) {
-      launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g)] +=
-          chunk_end[c] - chunk_begin[c];
+      launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g,
+                           chunk_end[c] - chunk_begin[c])] += chunk_end[c] - chunk_begin[c];
     }
   }
   std::vector<int64_t> part_chunk, part_begin, part_end, part_slots, pair_first;
@@ -586,7 +588,7 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
           std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages),
           1);
       if (p.split_target > 0) {
-        const int64_t h = height_of((chunk_first[c + 1] - chunk_first[c]) * g);
+        const int64_t h = height_of((chunk_first[c + 1] - chunk_first[c]) * g, len);
         const int64_t share = p.num_kv_heads * launch_len[h];  // x slots
         const int64_t per_sm = pairs_per_sm(p.m_sizes[h], p.head_dim);
         const int64_t slots = p.split_target * per_sm;
@@ -630,10 +632,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     if (part_slots[q] <= 0) continue;
     const int64_t rows = part_slots[q] * g;
     const int64_t len = part_end[q] - part_begin[q];
-    const int64_t nm = static_cast<int64_t>(p.m_sizes.size());
     const int64_t nn = static_cast<int64_t>(p.n_bounds.size());
-    const int64_t mi = std::min<int64_t>(
-        std::lower_bound(p.m_sizes.begin(), p.m_sizes.end(), rows) - p.m_sizes.begin(), nm - 1);
+    const int64_t mi = height_of(rows, len);
     const int64_t ni = std::min<int64_t>(
         std::lower_bound(p.n_bounds.begin(), p.n_bounds.end(), len) - p.n_bounds.begin(), nn - 1);
     alive.push_back(q);

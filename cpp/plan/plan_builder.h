@@ -53,6 +53,10 @@ struct PlanParams {
   std::vector<int64_t> m_sizes;
   std::vector<int64_t> n_bounds;
   std::vector<int64_t> n_sizes;
+  // An item of more than wide_rows rows and at least wide_kv_len KV tokens takes the largest
+  // height (tiles.TileTable.wide_rows / wide_kv_len; wide_kv_len 0: off).
+  int64_t wide_rows = 0;
+  int64_t wide_kv_len = 0;
   Packing packing = Packing::kMemory;
   bool split_kv = true;
   // (item, KV head) pairs the GPU runs at once (its SM count): a long row chunk is split only

@@ -47,7 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& qo_indptr,
     int64_t page_size, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds, at::IntArrayRef n_sizes,
-    c10::string_view packing, bool split_kv, int64_t split_target, bool forest_skips_idle) {
+    c10::string_view packing, bool split_kv, int64_t split_target, bool forest_skips_idle,
+    int64_t wide_rows, int64_t wide_kv_len) {
   TORCH_CHECK(block_table.device().is_cpu(), "build_plan: block_table must be a CPU tensor");
   TORCH_CHECK(block_table.dim() == 2, "build_plan: block_table must be 2-D, got ",
               block_table.dim(), "-D");
@@ -86,6 +87,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   p.m_sizes.assign(m_sizes.begin(), m_sizes.end());
   p.n_bounds.assign(n_bounds.begin(), n_bounds.end());
   p.n_sizes.assign(n_sizes.begin(), n_sizes.end());
+  TORCH_CHECK_VALUE(wide_rows >= 0 && wide_kv_len >= 0, "build_plan: wide_rows and wide_kv_len "
+                    "must be >= 0, got ", wide_rows, " and ", wide_kv_len);
+  p.wide_rows = wide_rows;
+  p.wide_kv_len = wide_kv_len;
   p.split_kv = split_kv;
   TORCH_CHECK_VALUE(split_target >= 0, "build_plan: split_target must be >= 0, got ", split_target);
   p.split_target = split_target;
@@ -148,7 +153,7 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "build_plan(Tensor block_table, Tensor seq_lens, Tensor qo_indptr, int page_size, "
       "int num_qo_heads, int num_kv_heads, int head_dim, int elem_bytes, int[] m_sizes, "
       "int[] n_bounds, int[] n_sizes, str packing, bool split_kv, int split_target, "
-      "bool forest_skips_idle) "
+      "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
