@@ -624,6 +624,17 @@ class PrefixAttention:
             )  # fmt: skip
 
         forest, host, tiles, tile_indptr, acc = build(self.tiles)
+        used = self.tiles
+        narrow = self.tiles.narrow()
+        if narrow is not None:
+            # The narrow plan (no 128-row tiles) where it moves at most narrow_traffic times
+            # the KV and partial-row bytes.
+            alt = build(narrow)
+            moved = acc["kv_bytes"] + acc["partial_bytes"]
+            if alt[4]["kv_bytes"] + alt[4]["partial_bytes"] <= self.tiles.narrow_traffic * moved:
+                forest, host, tiles, tile_indptr, acc = alt
+                used = narrow
+        took_narrow = used is narrow
         heights = sorted({m for m, _ in tiles})
         pairs = len(host.kv_len) * self.num_kv_heads
         if self.one_launch_in_one_wave and len(heights) > 1 and pairs <= target:
@@ -634,10 +645,10 @@ class PrefixAttention:
             # The packer also sizes row chunks, merges and splits by the table's largest
             # height: keep it, so every item (all fit ``top``) just selects ``top``. The table
             # has no wide rule (``TileTable.wide_kv_len``): that rule already chose ``top``.
-            top, largest = heights[-1], self.tiles.max_rows
+            top, largest = heights[-1], used.max_rows
             one = TileTable(
                 m_sizes=(top,) if top == largest else (top, largest),
-                n_by_kv_len=self.tiles.n_by_kv_len,
+                n_by_kv_len=used.n_by_kv_len,
             )
             forest, host, tiles, tile_indptr, acc = build(one)
         bounds = variant_bounds(tiles, tile_indptr)
@@ -732,6 +743,7 @@ class PrefixAttention:
             num_finished=num_finished,
             leaf_max_rows=leaf_max_rows,
             leaf_tiles=leaf_tiles,
+            narrow=took_narrow,
         )
         if remember:
             self._plan = plan

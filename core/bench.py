@@ -54,7 +54,10 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # (``PREFIXATTN_LEAF_NARROW=0`` around each call), "full_grid" sizes launches of several rounds
 # to fill the GPU instead of giving every block the same number of rounds
 # (``PREFIXATTN_BALANCED_GRID=0`` around each call), "no_wide" keeps items of 33-64 rows on
-# the 64-row tile whatever their KV length (``TileTable.wide_kv_len`` 0).
+# the 64-row tile whatever their KV length (``TileTable.wide_kv_len`` 0), "no_narrow" plans
+# with the default tile table alone (``TileTable.narrow_m_sizes`` empty), "mma64" runs the
+# 64-row tiles on ``forward_mma_kernel`` instead of the one-consumer ``wgmma`` kernel
+# (``PREFIXATTN_WGMMA64=0`` around each call).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -75,6 +78,8 @@ ABLATIONS: dict[str, Variant] = {
     "wide_leaf": MAIN,
     "full_grid": MAIN,
     "no_wide": MAIN,
+    "no_narrow": MAIN,
+    "mma64": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -441,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
             if name == "no_wide":
                 pa.tiles = dataclasses.replace(pa.tiles, wide_kv_len=0)
+            if name == "no_narrow":
+                pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
             if name == "per_height":
                 pa.one_launch_in_one_wave = False
             if name in ("merge_all", "fixed_merge_all"):
@@ -457,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 calls[name] = with_env("PREFIXATTN_LEAF_NARROW", "0", calls[name])
             if name == "full_grid":
                 calls[name] = with_env("PREFIXATTN_BALANCED_GRID", "0", calls[name])
+            if name == "mma64":
+                calls[name] = with_env("PREFIXATTN_WGMMA64", "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)

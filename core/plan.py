@@ -196,6 +196,9 @@ class LaunchPlan:
     """The 16-token tiles of the 16-row tile group's items, summed (-1: not known). Where they
     average at most 3 per item, the leaf kernel's narrow form runs more warps per SM, each a
     tile ahead."""
+    narrow: bool = False
+    """The plan took the tile table's narrow alternative (``TileTable.narrow``: no 128-row
+    tiles), which moved at most ``TileTable.narrow_traffic`` times the bytes."""
 
     @property
     def total_bytes(self) -> int:

@@ -26,12 +26,27 @@ class TileTable:
         (0: off). On sm90 the largest height is the warp-specialized ``wgmma`` tile, whose
         producer warpgroup keeps the copies going while the consumers compute; the 64-row
         ``mma.sync`` tile issues both from the same warps (docs/kernel-notes.md, v55).
+    narrow_m_sizes, narrow_traffic: the planner also plans with these heights alone (at
+        head_dim 128 on sm90: 16 and 64, no 128-row tile) and takes that plan where its KV
+        and partial-row bytes are at most ``narrow_traffic`` times those of the plan with
+        ``m_sizes`` (``()``: off). Twice the blocks of half the rows run beside the other
+        launches' blocks (a 64-row ``wgmma`` block leaves room on its SM) but re-read the
+        KV of items of more than 64 rows (docs/kernel-notes.md, v56).
     """
 
     m_sizes: tuple[int, ...]
     n_by_kv_len: tuple[tuple[int, int], ...]
     wide_rows: int = 0
     wide_kv_len: int = 0
+    narrow_m_sizes: tuple[int, ...] = ()
+    narrow_traffic: float = 0.0
+
+    def narrow(self) -> TileTable | None:
+        """The table of the narrow alternative plan (``narrow_m_sizes``, no wide rule), or
+        None."""
+        if not self.narrow_m_sizes:
+            return None
+        return TileTable(m_sizes=self.narrow_m_sizes, n_by_kv_len=self.n_by_kv_len)
 
     @property
     def max_rows(self) -> int:
@@ -60,13 +75,16 @@ class TileTable:
 
 _SM90 = {
     64: TileTable(m_sizes=(16, 32, 64, 128), n_by_kv_len=((128, 64), (1 << 30, 128))),
-    # Items of 33-64 rows and at least 256 KV tokens run on the 128-row tile (v55: measured at
-    # head_dim 128 only).
+    # Items of 33-64 rows and at least 256 KV tokens run on the 128-row tile (v55); plans of
+    # 16- and 64-row tiles alone where they move at most 1.25 times the bytes (v56). Both
+    # measured at head_dim 128 only.
     128: TileTable(
         m_sizes=(16, 32, 64, 128),
         n_by_kv_len=((128, 64), (1 << 30, 128)),
         wide_rows=32,
         wide_kv_len=256,
+        narrow_m_sizes=(16, 64),
+        narrow_traffic=1.25,
     ),
     256: TileTable(m_sizes=(16, 32, 64), n_by_kv_len=((1 << 30, 64),)),
 }

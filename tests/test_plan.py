@@ -25,6 +25,12 @@ def _plan(batch: Batch, hq: int, hkv: int, packing: str, split_kv: bool, head_di
     )
 
 
+def _default_table(pa: PrefixAttention) -> PrefixAttention:
+    """``pa`` planning with its tile table alone (no narrow alternative plan)."""
+    pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
+    return pa
+
+
 def _item_multiset(plan) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
     h = plan.host
     rows = np.diff(h.q_indptr)
@@ -67,7 +73,9 @@ def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> No
             assert len(items) > 0
             for w in items:
                 assert h.tile_id[w] == t
-                m_own, n_own = pa.tiles.select(int(rows[w]), int(h.kv_len[w]))
+                table = pa.tiles.narrow() if p.narrow else pa.tiles
+                assert table is not None
+                m_own, n_own = table.select(int(rows[w]), int(h.kv_len[w]))
                 # In a one-wave plan every item takes the largest height in use.
                 assert (m, n) == (top if p is unified and one_wave else m_own, n_own)
             lengths = h.kv_len[p.tile_indptr[t] : p.tile_indptr[t + 1]]
@@ -111,7 +119,8 @@ def test_memory_never_reads_more_kv_than_per_query(
 def test_memory_packing_moves_fewest_bytes_on_pat_suite(
     page_size: int, heads: tuple[int, int], split_kv: bool
 ) -> None:
-    pa = PrefixAttention(*heads, 128, page_size)
+    # One tile table for every packing (the narrow alternative is chosen per plan).
+    pa = _default_table(PrefixAttention(*heads, 128, page_size))
     # Every long chunk cut by the same length: with a split target the cut depends on the
     # launch's balance, so a packing with fewer, longer items may be cut where another is not.
     pa.split_target = 0
@@ -127,7 +136,7 @@ def test_memory_packing_moves_fewest_bytes_on_pat_suite(
 def test_shared_prefix_is_read_once_per_row_chunk() -> None:
     # 1,4,64_1024,256,128 with 32/8 heads: 64 requests x group 4 = 256 rows on the root.
     table, lens = tree_batch("1,4,64_1024,256,128", 16)
-    plan = PrefixAttention(32, 8, 128, 16).plan(table, lens, split_kv=False)
+    plan = _default_table(PrefixAttention(32, 8, 128, 16)).plan(table, lens, split_kv=False)
     root_pages = set(table[0, :64].tolist())
     reads = sum(p in root_pages for p in plan.host.kv_pages.tolist())
     assert reads == 2 * 64  # two 128-row chunks, each reads the 64 root pages once
@@ -196,7 +205,7 @@ def test_one_wave_plan_runs_as_one_launch() -> None:
     # 128 pairs <= 132: one wave. Every item takes the 128-row tile; the items themselves do
     # not change.
     table, lens = tree_batch("1,10_4096,416", 16)
-    pa = PrefixAttention(32, 8, 128, 16)
+    pa = _default_table(PrefixAttention(32, 8, 128, 16))
     one = pa.plan(table, lens)
     pa.one_launch_in_one_wave = False
     per_height = pa.plan(table, lens)
@@ -227,7 +236,7 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
     # Without a split target (no split rule, which counts pairs per tile height) the rule
     # changes tile heights only: the plan has the same items.
     table, lens = tree_batch(spec, 16)
-    pa = PrefixAttention(*heads, 128, 16)
+    pa = _default_table(PrefixAttention(*heads, 128, 16))
     pa.native_plan = native
     pa.one_launch_in_one_wave = False
     assert (pa.tiles.wide_rows, pa.tiles.wide_kv_len) == (32, 256)
@@ -241,7 +250,7 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
             assert m == (128 if wide else min(x for x in (16, 32, 64, 128) if x >= r)), (r, n, m)
             seen.add((wide, r > 32))
     assert (True, True) in seen and (False, False) in seen
-    narrow = PrefixAttention(*heads, 128, 16)
+    narrow = _default_table(PrefixAttention(*heads, 128, 16))
     narrow.native_plan = native
     narrow.one_launch_in_one_wave = False
     narrow.tiles = dataclasses.replace(narrow.tiles, wide_kv_len=0)
@@ -249,6 +258,43 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
     plain, wide = narrow.plan(table, lens), pa.plan(table, lens)
     assert _item_multiset(plain) == _item_multiset(wide)
     assert plain.num_partials == wide.num_partials
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    ("spec", "heads", "narrow"),
+    [("1,256_256,32", (32, 8), True), ("2,8,16,256_256,256,32,32", (32, 8), True),
+     ("1,10_4096,416", (32, 8), True), ("1,1024_2048,32", (64, 8), False),
+     ("1,10_4096,416", (64, 8), False)],
+)  # fmt: skip
+def test_narrow_plan_where_it_moves_few_more_bytes(
+    native: bool, spec: str, heads: tuple[int, int], narrow: bool
+) -> None:
+    # At head_dim 128 the planner also plans with 16- and 64-row tiles alone and takes that
+    # plan where its KV and partial-row bytes are at most 1.25 times those of the default
+    # table's plan: small roots (cheap to read twice) yes; a 2048-token root under 8192 rows,
+    # or a 4096-token root under 80 rows, no.
+    table, lens = tree_batch(spec, 16)
+    pa = PrefixAttention(*heads, 128, 16)
+    pa.native_plan = native
+    assert pa.tiles.narrow_m_sizes == (16, 64) and pa.tiles.narrow_traffic == 1.25
+    plan = pa.plan(table, lens)
+    default = _default_table(PrefixAttention(*heads, 128, 16))
+    default.native_plan = native
+    base = default.plan(table, lens)
+    alone = PrefixAttention(*heads, 128, 16)
+    alone.native_plan = native
+    narrow_table = pa.tiles.narrow()
+    assert narrow_table is not None
+    alone.tiles = narrow_table
+    alt = alone.plan(table, lens)
+    assert (
+        alt.kv_bytes + alt.partial_bytes <= 1.25 * (base.kv_bytes + base.partial_bytes)
+    ) == narrow
+    assert plan.narrow == narrow and not base.narrow and not alt.narrow
+    expect = alt if narrow else base
+    assert plan.tiles == expect.tiles and _item_multiset(plan) == _item_multiset(expect)
+    assert ({m for m, _ in plan.tiles} <= {16, 64}) == narrow
 
 
 @pytest.mark.parametrize("native", [True, False])

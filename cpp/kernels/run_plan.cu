@@ -155,6 +155,10 @@ void launch(int threads, int smem, const ForwardParams& p, int pairs, cudaStream
 // The leaf kernel runs the 16-row variant unless PREFIXATTN_LEAF_KERNEL is "0".
 bool leaf_kernel_enabled() { return switch_on("PREFIXATTN_LEAF_KERNEL"); }
 
+// At head_dim 128 the 64-row tiles run forward_wgmma_kernel with one consumer warpgroup
+// unless PREFIXATTN_WGMMA64 is "0" (then forward_mma_kernel's 64-row tile).
+bool wgmma64_enabled() { return switch_on("PREFIXATTN_WGMMA64"); }
+
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
@@ -198,7 +202,14 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
                             forward_mma_smem_bytes<D, 4, 4, S>(), p, pairs, stream, chained);
       case 1: return launch<forward_mma_kernel<T, D, 4, 2, S>>(128,
                             forward_mma_smem_bytes<D, 4, 2, S>(), p, pairs, stream, chained);
-      case 2: return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
+      case 2:
+        // The warp-specialized kernel with one consumer warpgroup (3 stages, two blocks per
+        // SM): its producer keeps the copies going while the consumers compute, where the
+        // mma.sync tile's warps issue both (docs/kernel-notes.md, v56). Measured at D = 128.
+        if (D == 128 && wgmma64_enabled())
+          return launch<forward_wgmma_kernel<T, D, 3, 1>>(
+              wgmma_threads<1>(), forward_wgmma_smem_bytes<D, 3>(), p, pairs, stream, chained);
+        return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
       default: return launch<forward_wgmma_kernel<T, D, 6>>(
                             kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);

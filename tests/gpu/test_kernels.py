@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -78,7 +79,8 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
 
 def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
           packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
-          concurrent=False, one_wave=True, chained=False, split_target=None):  # fmt: skip
+          concurrent=False, one_wave=True, chained=False, split_target=None,
+          narrow=True):  # fmt: skip
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
@@ -87,6 +89,8 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
     pa = prefixattn.PrefixAttention(hq, hkv, d, page_size, kv_layout=layout, device=DEV,
                                     dtype=dtype)  # fmt: skip
     pa.one_launch_in_one_wave = one_wave
+    if not narrow:  # the default tile table alone: no narrow alternative plan
+        pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
     if split_target is not None:
         pa.split_target = split_target
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
@@ -249,6 +253,35 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
     assert_close_to_reference(outs[0], ref, dtype, plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("spec", "heads"), [("1,256_256,32", (32, 8)), ("2,8,16,256_256,256,32,32", (16, 8))]
+)
+def test_wgmma64_matches_mma64(spec, heads, dtype, monkeypatch):
+    """Plans of 64-row tiles (the narrow plans of these trees) run on the one-consumer `wgmma`
+    kernel, or on the `mma.sync` tile with PREFIXATTN_WGMMA64=0: both match the reference."""
+    hq, hkv = heads
+    d, ps = 128, 16
+    table, lens = tree_batch(spec, ps, seed=7)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
+    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    assert plan.narrow and any(m == 64 for m, _ in plan.tiles)
+    scale = 1.0 / math.sqrt(d)
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("PREFIXATTN_WGMMA64", kernel)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(
+            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
+        )
+        assert_close_to_reference(out, ref, dtype, plan, f"PREFIXATTN_WGMMA64={kernel}")
 
 
 @pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
@@ -422,7 +455,8 @@ def test_root_tiles(case, qlen):
         table[i, : len(r)] = r
     lens = np.asarray(lens, dtype=np.int32)
     qo = np.full(batch, qlen, dtype=np.int32)
-    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, next_page, qo, split_kv=False)
+    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, next_page, qo, split_kv=False,
+                 narrow=False)  # fmt: skip
     m128 = [i for i, (m, _) in enumerate(plan.tiles) if m == 128]
     assert m128 and any(plan.tile_indptr[t + 1] > plan.tile_indptr[t] for t in m128), plan.summary()
 

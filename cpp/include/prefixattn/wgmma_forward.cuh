@@ -1,15 +1,16 @@
-// Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3), head_dim 64 and 128.
+// Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3) and, with one consumer
+// warpgroup, the 64-row tiles (variant 2, PREFIXATTN_WGMMA64), head_dim 64 and 128.
 // Torch-free, sm_90a only. Same plan and pairs as forward_mma_kernel (decode_kernels.cuh); the
 // block is warp-specialized.
 //
-// Block: 384 threads. Warpgroup 0 is the producer: it streams the KV tiles of the block's pairs
-// into STAGES shared-memory stages with cp.async (the page-table walk and all copy addressing
-// live there) and signals each stage through an mbarrier ("full") once its copies have landed
-// and been fenced for the async proxy. Warpgroups 1 and 2 are consumers of 64 query rows each
-// (warp w owns rows 16 (w - 4) .. + 15, as in the 8-warp mma.sync kernel); each warp releases a
-// stage through a second mbarrier ("empty") after its last read of it. There is no block-wide
-// barrier per tile, so the two consumer warpgroups drift apart and one's softmax overlaps the
-// other's tensor-core work. Per 64-key tile and consumer warpgroup:
+// Block: 128 (1 + CWG) threads. Warpgroup 0 is the producer: it streams the KV tiles of the
+// block's pairs into STAGES shared-memory stages with cp.async (the page-table walk and all copy
+// addressing live there) and signals each stage through an mbarrier ("full") once its copies
+// have landed and been fenced for the async proxy. Warpgroups 1 .. CWG are consumers of 64 query
+// rows each (warp w owns rows 16 (w - 4) .. + 15, as in the 8-warp mma.sync kernel); each warp
+// releases a stage through a second mbarrier ("empty") after its last read of it. There is no
+// block-wide barrier per tile, so two consumer warpgroups drift apart and one's softmax overlaps
+// the other's tensor-core work. Per 64-key tile and consumer warpgroup:
 //   S = Q K^T : D / 16 x wgmma.m64n64k16, q as the register A operand, K from shared memory;
 //   online softmax on S in registers (the accumulator layout of one n8 block equals the
 //   mma.sync C fragment, so the softmax is the one of the mma.sync kernel);
@@ -183,26 +184,39 @@ constexpr int forward_wgmma_smem_bytes() {
   // K and V tiles per stage, no padding, and up to 1024 bytes to align the first atom.
   return STAGES * 2 * detail::kTileN * D * 2 + 1024;
 }
-// One producer warpgroup and two consumer warpgroups. The launch allocates 168 registers per
-// thread (384 x 168 = 64512); the producer gives back down to 56 and the consumers take up to
-// 224 (128 x 56 + 256 x 224 = 64512), so setmaxnreg.inc never waits on registers no one frees.
-// This relies on ptxas allocating the full 168 that __launch_bounds__(384, 1) allows (it does
-// for a kernel with setmaxnreg: `-Xptxas -v` reports 168); with fewer, setmaxnreg.inc would
-// wait forever, so check that line after changing the kernel's launch bounds or build flags.
-constexpr int kWgmmaThreads = 384;
+// One producer warpgroup and CWG consumer warpgroups of 64 rows each: 128 rows (CWG = 2, one
+// block per SM) or 64 rows (CWG = 1, two blocks per SM). With two consumer warpgroups the
+// launch allocates 168 registers per thread (384 x 168 = 64512); the producer gives back down to
+// 56 and the consumers take up to 224 (128 x 56 + 256 x 224 = 64512). With one, 128 per thread
+// for two blocks (2 x 256 x 128 = 65536); the producer gives back down to 56 and the consumers
+// take up to 200 (56 + 200 = 2 x 128). So setmaxnreg.inc never waits on registers no one frees.
+// This relies on ptxas allocating the full count that the launch bounds allow (it does for a
+// kernel with setmaxnreg: `-Xptxas -v` reports 168 and 128); with fewer, setmaxnreg.inc would
+// wait forever, so check those lines after changing the kernel's launch bounds or build flags.
+template <int CWG>
+constexpr int wgmma_threads() {
+  return 128 * (1 + CWG);
+}
+constexpr int kWgmmaThreads = wgmma_threads<2>();
+template <int CWG>
+constexpr int kWgmmaProducerRegs = 56;
+template <int CWG>
+constexpr int kWgmmaConsumerRegs = CWG == 2 ? 224 : 200;
 // How far (log2 units) a row's scores may rise above its running maximum before the `wgmma`
 // kernel moves the maximum and rescales O and l: probabilities stay below 2^8, well inside the
 // range of P's 16-bit type.
 constexpr float kRescaleSlack = 8.f;
 
-template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const ForwardParams p) {
+template <typename T, int D, int STAGES, int CWG = 2>
+__global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
+    forward_wgmma_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p.chain_next);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
   static_assert(STAGES >= 3, "a consumer holds two stages while the producer fills the next");
   constexpr int kProducerThreads = 128;
-  constexpr int kConsumerWarps = 8;
+  static_assert(CWG == 1 || CWG == 2, "one or two consumer warpgroups");
+  constexpr int kConsumerWarps = 4 * CWG;
   constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
   constexpr int kKC = D / 16;               // k16 steps of q.k
   constexpr int kTileElems = kTileN * D;    // one K or V tile
@@ -232,7 +246,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
     // consecutive threads fill one 128-byte row). A tile is signalled full once the thread's
     // copies of it have landed and been fenced for the async proxy; meanwhile the next tile's
     // copies are in flight.
-    regs_dec<56>();
+    regs_dec<kWgmmaProducerRegs<CWG>>();
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
     static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
@@ -267,7 +281,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) forward_wgmma_kernel(const F
   }
 
   // ---- consumer warpgroups: warp cw owns rows 16 cw .. 16 cw + 15 of the pair's tile.
-  regs_inc<224>();
+  regs_inc<kWgmmaConsumerRegs<CWG>>();
   const int cw = warp - 4;
   const int wg = cw >> 2;
   const int qc = 2 * (lane % 4);
