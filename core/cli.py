@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -128,6 +129,10 @@ def plan_bench(argv: list[str] | None = None) -> int:
         "--impl", default="both", choices=("native", "python", "both"),
         help="compiled planner, the Python reference implementation, or both",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-narrow", action="store_true",
+        help="plan with the default tile table alone (no narrow alternative plan)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hq, hkv = args.heads
     tree = parse_tree(args.tree)
@@ -137,6 +142,8 @@ def plan_bench(argv: list[str] | None = None) -> int:
     for ps in (int(x) for x in args.page_sizes.split(",")):
         bt, sl = tree_batch(tree, ps)
         pa = PrefixAttention(hq, hkv, 128, ps)
+        if args.no_narrow:
+            pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
         impls = ("native", "python") if args.impl == "both" else (args.impl,)
         for impl in impls:
             pa.native_plan = impl == "native"

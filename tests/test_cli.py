@@ -26,6 +26,7 @@ def test_default_demo(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_bench(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan-bench", "--tree", "1,8_256,16", "--repeat", "3"]) == 0
+    assert main(["plan-bench", "--tree", "1,8_256,16", "--repeat", "3", "--no-narrow"]) == 0
     assert "plan median" in capsys.readouterr().out
 
 
