@@ -255,26 +255,39 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
     assert_close_to_reference(outs[0], ref, dtype, plan)
 
 
+WGMMA64_CASES = [
+    # tree, heads, page size, layout, interleaved K|V, query tokens per request
+    ("1,256_256,32", (32, 8), 16, "NHD", False, 1),
+    ("2,8,16,256_256,256,32,32", (16, 8), 1, "NHD", True, 1),
+    ("1,64_300,40", (32, 8), 24, "HND", False, 3),
+    ("1,16_333,20", (64, 8), 16, "HND", True, 2),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    ("spec", "heads"), [("1,256_256,32", (32, 8)), ("2,8,16,256_256,256,32,32", (16, 8))]
-)
-def test_wgmma64_matches_mma64(spec, heads, dtype, monkeypatch):
-    """Plans of 64-row tiles (the narrow plans of these trees) run on the one-consumer `wgmma`
-    kernel, or on the `mma.sync` tile with PREFIXATTN_WGMMA64=0: both match the reference."""
-    hq, hkv = heads
-    d, ps = 128, 16
+@pytest.mark.parametrize("case", WGMMA64_CASES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-q{c[5]}")
+def test_wgmma64_matches_mma64(case, dtype, monkeypatch):
+    """The 64-row tiles of the narrow tile table (16- and 64-row tiles) run on the
+    one-consumer `wgmma` kernel, or on the `mma.sync` tile with PREFIXATTN_WGMMA64=0: both
+    match the reference, for page sizes 16, 1 and 24, NHD and HND caches, interleaved K|V and
+    causal query lengths above 1."""
+    spec, (hq, hkv), ps, layout, inter, qlen = case
+    d = 128
     table, lens = tree_batch(spec, ps, seed=7)
     num_pages = int(table.max()) + 1
     gen = torch.Generator(device=DEV).manual_seed(7)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
-    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
-    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
+    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    narrow = pa.tiles.narrow()
+    assert narrow is not None and narrow.m_sizes == (16, 64)
+    pa.tiles = narrow
     plan = pa.plan(table, lens, qo_indptr)
-    assert plan.narrow and any(m == 64 for m, _ in plan.tiles)
+    assert any(m == 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
     scale = 1.0 / math.sqrt(d)
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     for kernel in ("1", "0"):
         monkeypatch.setenv("PREFIXATTN_WGMMA64", kernel)
         out = torch.full_like(q, float("nan"))
