@@ -626,9 +626,10 @@ class PrefixAttention:
         forest, host, tiles, tile_indptr, acc = build(self.tiles)
         used = self.tiles
         narrow = self.tiles.narrow()
-        if narrow is not None:
+        if narrow is not None and max((m for m, _ in tiles), default=0) > self.tiles.m_sizes[0]:
             # The narrow plan (no 128-row tiles) where it moves at most narrow_traffic times
-            # the KV and partial-row bytes.
+            # the KV and partial-row bytes. A plan of smallest tiles alone (every item of at
+            # most 16 rows: no sharing, small groups) is the same with either table.
             alt = build(narrow)
             moved = acc["kv_bytes"] + acc["partial_bytes"]
             if alt[4]["kv_bytes"] + alt[4]["partial_bytes"] <= self.tiles.narrow_traffic * moved:

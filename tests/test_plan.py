@@ -265,7 +265,7 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
     ("spec", "heads", "narrow"),
     [("1,256_256,32", (32, 8), True), ("2,8,16,256_256,256,32,32", (32, 8), True),
      ("1,10_4096,416", (32, 8), True), ("1,1024_2048,32", (64, 8), False),
-     ("1,10_4096,416", (64, 8), False)],
+     ("1,10_4096,416", (64, 8), False), ("256_1024", (32, 8), False)],
 )  # fmt: skip
 def test_narrow_plan_where_it_moves_few_more_bytes(
     native: bool, spec: str, heads: tuple[int, int], narrow: bool
@@ -288,13 +288,15 @@ def test_narrow_plan_where_it_moves_few_more_bytes(
     assert narrow_table is not None
     alone.tiles = narrow_table
     alt = alone.plan(table, lens)
-    assert (
-        alt.kv_bytes + alt.partial_bytes <= 1.25 * (base.kv_bytes + base.partial_bytes)
-    ) == narrow
+    if {m for m, _ in base.tiles} == {16}:  # the same plan either way: not built twice
+        assert not narrow and alt.tiles == base.tiles
+    else:
+        moved = alt.kv_bytes + alt.partial_bytes
+        assert (moved <= 1.25 * (base.kv_bytes + base.partial_bytes)) == narrow
     assert plan.narrow == narrow and not base.narrow and not alt.narrow
     expect = alt if narrow else base
     assert plan.tiles == expect.tiles and _item_multiset(plan) == _item_multiset(expect)
-    assert ({m for m, _ in plan.tiles} <= {16, 64}) == narrow
+    assert not narrow or {m for m, _ in plan.tiles} <= {16, 64}
 
 
 @pytest.mark.parametrize("native", [True, False])
