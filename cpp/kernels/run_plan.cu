@@ -206,9 +206,11 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
         // The warp-specialized kernel with one consumer warpgroup (3 stages, two blocks per
         // SM): its producer keeps the copies going while the consumers compute, where the
         // mma.sync tile's warps issue both (docs/kernel-notes.md, v56). Measured at D = 128.
-        if (D == 128 && wgmma64_enabled())
-          return launch<forward_wgmma_kernel<T, D, 3, 1>>(
-              wgmma_threads<1>(), forward_wgmma_smem_bytes<D, 3>(), p, pairs, stream, chained);
+        if constexpr (D == 128) {
+          if (wgmma64_enabled())
+            return launch<forward_wgmma_kernel<T, D, 3, 1>>(
+                wgmma_threads<1>(), forward_wgmma_smem_bytes<D, 3>(), p, pairs, stream, chained);
+        }
         return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
       default: return launch<forward_wgmma_kernel<T, D, 6>>(

@@ -1,5 +1,5 @@
-// Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3) and, with one consumer
-// warpgroup, the 64-row tiles (variant 2, PREFIXATTN_WGMMA64), head_dim 64 and 128.
+// Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3) of head_dim 64 and 128
+// and, with one consumer warpgroup, the 64-row tiles (variant 2) of head_dim 128.
 // Torch-free, sm_90a only. Same plan and pairs as forward_mma_kernel (decode_kernels.cuh); the
 // block is warp-specialized.
 //
@@ -198,7 +198,6 @@ constexpr int wgmma_threads() {
   return 128 * (1 + CWG);
 }
 constexpr int kWgmmaThreads = wgmma_threads<2>();
-template <int CWG>
 constexpr int kWgmmaProducerRegs = 56;
 template <int CWG>
 constexpr int kWgmmaConsumerRegs = CWG == 2 ? 224 : 200;
@@ -246,7 +245,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     // consecutive threads fill one 128-byte row). A tile is signalled full once the thread's
     // copies of it have landed and been fenced for the async proxy; meanwhile the next tile's
     // copies are in flight.
-    regs_dec<kWgmmaProducerRegs<CWG>>();
+    regs_dec<kWgmmaProducerRegs>();
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
     static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
