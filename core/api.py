@@ -610,14 +610,19 @@ class PrefixAttention:
 
         target: int = self.split_target
 
+        forests: list[Any] = []  # the Python planner's forest, built once per call
+
         def build(table_of_tiles: TileTable) -> tuple[Any, Any, Any, Any, Any]:
             if self.native_plan and native_plan_available():
                 return build_plan_native(
                     table, lens, indptr, self.page_size, self._shape, table_of_tiles, packing,
                     split_kv, target,
                 )  # fmt: skip
-            # Requests without new tokens (padding) take no part in the forest.
-            forest = build_forest(table, np.where(np.diff(indptr) > 0, lens, 0), self.page_size)
+            if not forests:
+                # Requests without new tokens (padding) take no part in the forest.
+                live = np.where(np.diff(indptr) > 0, lens, 0)
+                forests.append(build_forest(table, live, self.page_size))
+            forest = forests[0]
             return forest, *pack(
                 forest, table, lens, indptr, self._shape, table_of_tiles, packing, split_kv,
                 target,

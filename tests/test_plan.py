@@ -250,12 +250,12 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
             assert m == (128 if wide else min(x for x in (16, 32, 64, 128) if x >= r)), (r, n, m)
             seen.add((wide, r > 32))
     assert (True, True) in seen and (False, False) in seen
-    narrow = _default_table(PrefixAttention(*heads, 128, 16))
-    narrow.native_plan = native
-    narrow.one_launch_in_one_wave = False
-    narrow.tiles = dataclasses.replace(narrow.tiles, wide_kv_len=0)
-    pa.split_target = narrow.split_target = 0
-    plain, wide = narrow.plan(table, lens), pa.plan(table, lens)
+    no_wide = _default_table(PrefixAttention(*heads, 128, 16))
+    no_wide.native_plan = native
+    no_wide.one_launch_in_one_wave = False
+    no_wide.tiles = dataclasses.replace(no_wide.tiles, wide_kv_len=0)
+    pa.split_target = no_wide.split_target = 0
+    plain, wide = no_wide.plan(table, lens), pa.plan(table, lens)
     assert _item_multiset(plain) == _item_multiset(wide)
     assert plain.num_partials == wide.num_partials
 
