@@ -159,6 +159,22 @@ bool leaf_kernel_enabled() { return switch_on("PREFIXATTN_LEAF_KERNEL"); }
 // unless PREFIXATTN_WGMMA64 is "0" (then forward_mma_kernel's 64-row tile).
 bool wgmma64_enabled() { return switch_on("PREFIXATTN_WGMMA64"); }
 
+// Every forward launch asks the L2 for the plan's index arrays and q as it starts (WarmL2),
+// unless PREFIXATTN_WARM_L2 is "0". At most kWarmIndexCap bytes of each index array (their
+// buffers' capacity, not the plan's length, so that a CUDA graph's replays fetch the same
+// ranges) and kWarmQCap of q.
+bool warm_l2_enabled() { return switch_on("PREFIXATTN_WARM_L2"); }
+constexpr int64_t kWarmIndexCap = int64_t{256} << 10, kWarmQCap = int64_t{4} << 20;
+void warm_range(WarmL2& w, int r, const void* ptr, int64_t bytes, int64_t cap) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+  const uintptr_t base = a & ~static_cast<uintptr_t>(kWarmLine - 1);
+  bytes = std::min(bytes, cap);
+  w.base[r] = reinterpret_cast<const char*>(base);
+  w.lines[r] = bytes <= 0 ? 0u
+                          : static_cast<uint32_t>((a - base + static_cast<uintptr_t>(bytes) +
+                                                   kWarmLine - 1) / kWarmLine);
+}
+
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
@@ -373,6 +389,16 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                 "prefixattn: a page's last token must sit below 2^31 elements from its first "
                 "(page size ", page_size, ", token stride ", stride, ")");
   p.counts = counts.data_ptr<int32_t>();
+  if (warm_l2_enabled()) {
+    int r = 0;
+    for (const at::Tensor* t : {&counts, &q_indptr, &kv_len, &kv_start, &kv_page_indptr, &q_limit,
+                                &q_out, &q_tokens, &kv_pages, &merge_partials, &merge_tokens,
+                                &merge_indptr})
+      warm_range(p.warm, r++, t->data_ptr(), t->numel() * 4, kWarmIndexCap);
+    const int64_t q_elems = q.size(0) == 0 ? 0
+                            : (q.size(0) - 1) * q.stride(0) + (q.size(1) - 1) * q.stride(1) + q.size(2);
+    warm_range(p.warm, r++, q.data_ptr(), q_elems * q.element_size(), kWarmQCap);
+  }
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
   p.group_size = hq / hkv;

@@ -58,6 +58,17 @@ struct FastDiv {
 #endif
 };
 
+// Byte ranges that every forward launch asks the L2 to fetch as it starts (WarmL2): the plan's
+// index arrays and q. A pair's loads form a chain (its item's bounds, then its slots, then q
+// rows, page ids and partial-row indices), and from a cold L2 each link is a DRAM round trip;
+// fetched up front, the links after the first are L2 hits (docs/kernel-notes.md v57).
+constexpr int kWarmRanges = 13;
+constexpr int kWarmLine = 128;  // bytes per prefetch
+struct WarmL2 {
+  const char* base[kWarmRanges];  // kWarmLine-aligned
+  uint32_t lines[kWarmRanges];    // 0: nothing to fetch
+};
+
 struct ForwardParams {
   const void* q;  // [T, Hq, D]
   const void* k;  // paged cache, element strides below
@@ -96,6 +107,7 @@ struct ForwardParams {
   // of its slots with q_out <= -2 (leaf_forward.cuh); 0: those slots write a partial row.
   int finish;
   float scale_log2;    // softmax scale * log2(e)
+  WarmL2 warm;
 };
 
 struct MergeParams {
@@ -135,11 +147,27 @@ __device__ __forceinline__ void chain_wait_prev() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// Declared first in a forward kernel: lets a chained next launch start, and makes block 0 wait
-// for the previous launch on every way out of the kernel.
+// The launch's threads split the lines of every WarmL2 range among them (one
+// prefetch.global.L2::evict_last each, nothing waits for it): the plan's arrays are a few KB to
+// a few hundred KB, q up to a few MB, read by every launch of a run.
+__device__ __forceinline__ void warm_l2(const WarmL2& w) {
+  const uint32_t n = gridDim.x * blockDim.x;
+  const uint32_t g = blockIdx.x * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < kWarmRanges; ++r) {
+    const char* base = w.base[r];
+    for (uint32_t i = g; i < w.lines[r]; i += n)
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + static_cast<size_t>(i) * kWarmLine));
+  }
+}
+
+// Declared first in a forward kernel: lets a chained next launch start, asks the L2 for the
+// plan's arrays and q (warm_l2), and makes block 0 wait for the previous launch on every way
+// out of the kernel.
 struct ChainLink {
-  __device__ __forceinline__ explicit ChainLink(int chain_next) {
-    if (chain_next) chain_allow_next();
+  __device__ __forceinline__ explicit ChainLink(const ForwardParams& p) {
+    if (p.chain_next) chain_allow_next();
+    warm_l2(p.warm);
   }
   __device__ __forceinline__ ~ChainLink() {
     if (blockIdx.x == 0) chain_wait_prev();
@@ -482,7 +510,7 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
 
 template <typename T, int D, int ROWS_PER_WARP>
 __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const ForwardParams p) {
-  const detail::ChainLink chain(p.chain_next);
+  const detail::ChainLink chain(p);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const detail::WorkRange range(p);
   if (static_cast<int>(blockIdx.x) >= range.total) return;
@@ -998,7 +1026,7 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
 template <typename T, int D, int WARPS, int KS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) forward_mma_kernel(const ForwardParams p) {
   using namespace detail;
-  const ChainLink chain(p.chain_next);
+  const ChainLink chain(p);
   constexpr int kRow = D + kPad;
   constexpr int kChunks = D / 8;
   constexpr int kThreadsM = WARPS * 32;

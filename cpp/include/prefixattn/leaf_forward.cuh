@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(kLeafWarps * 32,
                                   D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
     forward_leaf_kernel(const ForwardParams p) {
   using namespace detail;
-  const ChainLink chain(p.chain_next);
+  const ChainLink chain(p);
   static_assert(D == 64 || D == 128, "the leaf kernel runs head_dim 64 and 128");
   static_assert(STAGES >= 2, "the copies run STAGES - 1 tiles ahead of the math");
   static_assert(NC_MAX == 1 || NC_MAX == 2, "one or two blocks of 8 columns");

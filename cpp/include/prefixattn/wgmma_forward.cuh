@@ -210,7 +210,7 @@ template <typename T, int D, int STAGES, int CWG = 2>
 __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     forward_wgmma_kernel(const ForwardParams p) {
   using namespace detail;
-  const ChainLink chain(p.chain_next);
+  const ChainLink chain(p);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
   static_assert(STAGES >= 3, "a consumer holds two stages while the producer fills the next");
   constexpr int kProducerThreads = 128;
