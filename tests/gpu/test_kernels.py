@@ -255,6 +255,42 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
     assert_close_to_reference(outs[0], ref, dtype, plan)
 
 
+@pytest.mark.parametrize(
+    "spec, heads, ps, qlen",
+    [
+        ("1,256_256,32", (32, 8), 16, 1),
+        ("1,10_500,40", (64, 8), 1, 2),
+        ("1,4,16_96,64,24", (32, 32), 16, 3),
+    ],
+)
+def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
+    """Every forward launch prefetches the plan's arrays and q into the L2 unless
+    PREFIXATTN_WARM_L2=0: a hint only, so the same bits either way, and the reference's
+    values (leaf, 64-row and 128-row launches, page sizes 16 and 1, causal query runs)."""
+    hq, hkv = heads
+    d, dtype = 128, torch.bfloat16
+    table, lens = tree_batch(spec, ps, seed=8)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
+    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    for warm in ("1", "0"):
+        monkeypatch.setenv("PREFIXATTN_WARM_L2", warm)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(
+            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WARM_L2=1")
+
+
 WGMMA64_CASES = [
     # tree, heads, page size, layout, interleaved K|V, query tokens per request
     ("1,256_256,32", (32, 8), 16, "NHD", False, 1),
