@@ -58,7 +58,8 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # with the default tile table alone (``TileTable.narrow_m_sizes`` empty), "mma64" runs the
 # 64-row tiles on ``forward_mma_kernel`` instead of the one-consumer ``wgmma`` kernel
 # (``PREFIXATTN_WGMMA64=0`` around each call), "cold_plan" skips the forward launches' L2
-# warm-up of the plan's arrays and q (``PREFIXATTN_WARM_L2=0``).
+# warm-up of the plan's arrays and q (``PREFIXATTN_WARM_L2=0``), "sync_full" keeps two tiles
+# in flight in the ``wgmma`` producer (``PREFIXATTN_WGMMA_ASYNC_FULL=0``).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -82,6 +83,7 @@ ABLATIONS: dict[str, Variant] = {
     "no_narrow": MAIN,
     "mma64": MAIN,
     "cold_plan": MAIN,
+    "sync_full": MAIN,
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
@@ -470,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 calls[name] = with_env("PREFIXATTN_WGMMA64", "0", calls[name])
             if name == "cold_plan":
                 calls[name] = with_env("PREFIXATTN_WARM_L2", "0", calls[name])
+            if name == "sync_full":
+                calls[name] = with_env("PREFIXATTN_WGMMA_ASYNC_FULL", "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)

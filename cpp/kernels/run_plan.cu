@@ -175,6 +175,10 @@ void warm_range(WarmL2& w, int r, const void* ptr, int64_t bytes, int64_t cap) {
                                                    kWarmLine - 1) / kWarmLine);
 }
 
+// The wgmma producer's stages signal full as their copies land (ForwardParams::async_full)
+// unless PREFIXATTN_WGMMA_ASYNC_FULL is "0".
+bool async_full_enabled() { return switch_on("PREFIXATTN_WGMMA_ASYNC_FULL"); }
+
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
 
@@ -399,6 +403,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                             : (q.size(0) - 1) * q.stride(0) + (q.size(1) - 1) * q.stride(1) + q.size(2);
     warm_range(p.warm, r++, q.data_ptr(), q_elems * q.element_size(), kWarmQCap);
   }
+  p.async_full = async_full_enabled() ? 1 : 0;
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
   p.group_size = hq / hkv;

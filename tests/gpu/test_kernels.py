@@ -291,6 +291,45 @@ def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
     assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WARM_L2=1")
 
 
+@pytest.mark.parametrize(
+    "spec, heads, ps, layout, inter, qlen",
+    [
+        ("1,64_1024,40", (64, 8), 16, "NHD", False, 1),
+        ("1,256_256,32", (32, 8), 1, "HND", True, 1),
+        ("1,8,32_700,300,50", (32, 8), 24, "NHD", False, 3),
+    ],
+)
+def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, qlen, monkeypatch):
+    """The `wgmma` producer's stages signal full as their copies land (up to STAGES tiles in
+    flight) unless PREFIXATTN_WGMMA_ASYNC_FULL=0 (two tiles in flight): the same products on
+    the same bytes, so the same bits, and the reference's values (128- and 64-row tiles, page
+    sizes 16, 1 and 24, causal query runs)."""
+    hq, hkv = heads
+    d, dtype = 128, torch.bfloat16
+    table, lens = tree_batch(spec, ps, seed=9)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
+    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("PREFIXATTN_WGMMA_ASYNC_FULL", mode)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(
+            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_ASYNC_FULL=1")
+
+
 WGMMA64_CASES = [
     # tree, heads, page size, layout, interleaved K|V, query tokens per request
     ("1,256_256,32", (32, 8), 16, "NHD", False, 1),

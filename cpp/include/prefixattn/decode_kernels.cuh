@@ -106,6 +106,9 @@ struct ForwardParams {
   // 1: the leaf launch runs after every other forward launch and finishes the merged tokens
   // of its slots with q_out <= -2 (leaf_forward.cuh); 0: those slots write a partial row.
   int finish;
+  // 1: the wgmma producer's copies signal their stage full as they land, up to STAGES tiles in
+  // flight; 0: two tiles in flight (wgmma_forward.cuh).
+  int async_full;
   float scale_log2;    // softmax scale * log2(e)
   WarmL2 warm;
 };

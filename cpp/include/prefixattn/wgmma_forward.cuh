@@ -166,6 +166,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
         : "memory");
   } while (!done);
 }
+// An arrival on `bar` once every cp.async this thread has issued so far has landed (the
+// thread goes on at once; .noinc: the arrival counts against the barrier's expected count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
 // Warpgroup register budgets of the warp-specialized kernel (setmaxnreg: all warps of the
 // warpgroup execute it).
 template <int N>
@@ -260,6 +266,24 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     }
     cp.start(p, range);
     int phase = 0, landing = -1;  // `landing`: the stage whose copies are in flight
+    if (p.async_full) {
+      // Each thread's copies of a stage signal "full" as they land
+      // (cp.async.mbarrier.arrive), so the producer runs ahead as far as the "empty" barriers
+      // let it: up to STAGES tiles in flight (docs/kernel-notes.md v59). The consumers fence
+      // the landed bytes for the async proxy after their wait.
+      while (!cp.done) {
+        const int st = cp.stage;
+        mbar_wait(&empty_bar[st], phase ^ 1);
+        cp.template issue<D, STAGES, kProducerThreads>(p, range, k_stage(0), v_stage(0),
+                                                       2 * kTileElems);
+        cp_async_mbar_arrive(&full_bar[st]);
+        if (cp.stage == 0) phase ^= 1;
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    // Otherwise a stage is signalled full once the next stage's copies are issued and its own
+    // have landed: two tiles in flight.
     while (!cp.done) {
       const int st = cp.stage;
       mbar_wait(&empty_bar[st], phase ^ 1);
