@@ -5,8 +5,9 @@
 //
 // Block: 128 (1 + CWG) threads. Warpgroup 0 is the producer: it streams the KV tiles of the
 // block's pairs into STAGES shared-memory stages with cp.async (the page-table walk and all copy
-// addressing live there) and signals each stage through an mbarrier ("full") once its copies
-// have landed and been fenced for the async proxy. Warpgroups 1 .. CWG are consumers of 64 query
+// addressing live there) and signals each stage through an mbarrier ("full") as its copies land
+// (cp.async.mbarrier.arrive, up to STAGES tiles in flight); a consumer fences the stage for the
+// async proxy after its wait. Warpgroups 1 .. CWG are consumers of 64 query
 // rows each (warp w owns rows 16 (w - 4) .. + 15, as in the 8-warp mma.sync kernel); each warp
 // releases a stage through a second mbarrier ("empty") after its last read of it. There is no
 // block-wide barrier per tile, so two consumer warpgroups drift apart and one's softmax overlaps
@@ -248,9 +249,8 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
   if (warp < 4) {
     // ---- producer warpgroup: streams the block's KV tiles into the stages. Thread tid copies
     // chunk tid % kChunks of keys tid / kChunks + i kLdStep into the swizzled layout (eight
-    // consecutive threads fill one 128-byte row). A tile is signalled full once the thread's
-    // copies of it have landed and been fenced for the async proxy; meanwhile the next tile's
-    // copies are in flight.
+    // consecutive threads fill one 128-byte row). Each thread's copies of a tile arrive on its
+    // "full" barrier as they land (or, with async_full off, once the next tile is issued).
     regs_dec<kWgmmaProducerRegs>();
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
