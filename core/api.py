@@ -610,14 +610,18 @@ class PrefixAttention:
 
         target: int = self.split_target
 
-        forests: list[Any] = []  # the Python planner's forest, built once per call
+        # The forest is built once per call: the Python planner keeps it here, the compiled one
+        # in the op's per-thread state (reuse_forest for every build after the first).
+        forests: list[Any] = []
 
         def build(table_of_tiles: TileTable) -> tuple[Any, Any, Any, Any, Any]:
             if self.native_plan and native_plan_available():
-                return build_plan_native(
+                built = build_plan_native(
                     table, lens, indptr, self.page_size, self._shape, table_of_tiles, packing,
-                    split_kv, target,
+                    split_kv, target, reuse_forest=bool(forests),
                 )  # fmt: skip
+                forests.append(built[0])
+                return built
             if not forests:
                 # Requests without new tokens (padding) take no part in the forest.
                 live = np.where(np.diff(indptr) > 0, lens, 0)

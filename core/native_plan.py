@@ -211,6 +211,7 @@ def build_plan_native(
     split_target: int = 0,
     *,
     forest_skips_idle: bool = True,
+    reuse_forest: bool = False,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
 
@@ -221,6 +222,12 @@ def build_plan_native(
     The forest's ``children`` is a read-only sequence that equals the Python forest's list of
     lists; its lists are built on first use. Host work only (not for graph capture or
     ``torch.compile``); each calling thread reuses its own scratch memory.
+
+    ``reuse_forest=True`` packs with the forest of this thread's previous call instead of
+    building it again: for a batch packed with several tile tables in a row, the same
+    ``block_table``, ``seq_lens`` and ``qo_indptr`` objects, unchanged, and the same
+    ``page_size`` and ``forest_skips_idle``. Where those are not the previous call's buffers and
+    sizes the op builds the forest anyway.
     """
     op = _load()
     if op is None:
@@ -246,6 +253,7 @@ def build_plan_native(
         bool(forest_skips_idle),
         int(table.wide_rows),
         int(table.wide_kv_len),
+        bool(reuse_forest),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()

@@ -221,3 +221,38 @@ def test_a_library_that_does_not_load_is_reported(tmp_path) -> None:  # type: ig
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reported once per path
         assert load_library(bad) is False
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("spec", ["1,16,256_2048,1024,1024", "1,4,16,512_1024,256,128,32"])
+def test_reused_forest_packs_like_a_fresh_one(spec: str, page_size: int) -> None:
+    """`reuse_forest=True` after a call on the same arrays (PrefixAttention.plan packs one
+    batch with the default, the narrow and the one-wave tables) gives exactly the plan a fresh
+    call gives, and the Python planner's; after a call on other arrays the op builds the forest
+    anyway."""
+    block_table, seq_lens = tree_batch(spec, page_size)
+    decode = np.arange(len(seq_lens) + 1, dtype=np.int32)
+    shape = BatchShape(32, 8, 128, 2)
+    default = tile_table(128)
+    narrow = default.narrow()
+    assert narrow is not None
+    for table in (narrow, default):
+        build_plan_native(block_table, seq_lens, decode, page_size, shape, default, "memory",
+                          True, 132)  # fmt: skip
+        reused = build_plan_native(block_table, seq_lens, decode, page_size, shape, table,
+                                   "memory", True, 132, reuse_forest=True)  # fmt: skip
+        fresh = build_plan_native(block_table, seq_lens, decode, page_size, shape, table,
+                                  "memory", True, 132)  # fmt: skip
+        _assert_same(fresh, reused)
+        expected = _python(block_table, seq_lens, decode, page_size, shape, table, "memory",
+                           True, 132)  # fmt: skip
+        _assert_same(expected, reused)
+    # The previous call planned another batch: its forest is not taken.
+    other_table, other_lens = tree_batch("2,8,16,256_256,256,32,32", page_size)
+    other_decode = np.arange(len(other_lens) + 1, dtype=np.int32)
+    build_plan_native(other_table, other_lens, other_decode, page_size, shape, default, "memory",
+                      True, 132)  # fmt: skip
+    guarded = build_plan_native(block_table, seq_lens, decode, page_size, shape, narrow,
+                                "memory", True, 132, reuse_forest=True)  # fmt: skip
+    _assert_same(_python(block_table, seq_lens, decode, page_size, shape, narrow, "memory", True,
+                         132), guarded)  # fmt: skip

@@ -777,8 +777,8 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
 
 }  // namespace
 
-void build_plan(const PlanParams& p, PlanResult& out) {
-  out.clear();
+void build_plan(const PlanParams& p, PlanResult& out, bool reuse_forest) {
+  out.clear(/*keep_forest=*/reuse_forest);
   if ((p.block_table32 == nullptr) == (p.block_table64 == nullptr)) {
     throw std::invalid_argument("exactly one of block_table32 / block_table64 must be set");
   }
@@ -792,23 +792,25 @@ void build_plan(const PlanParams& p, PlanResult& out) {
       throw std::invalid_argument("qo_indptr is decreasing at request " + std::to_string(b));
     }
   }
-  std::vector<int64_t> forest_lens(lens.begin(), lens.end());
-  if (p.forest_skips_idle) {
-    for (int64_t b = 0; b < p.batch; ++b) {
-      if (qo_indptr[b + 1] - qo_indptr[b] <= 0) forest_lens[b] = 0;
+  if (!reuse_forest) {
+    std::vector<int64_t> forest_lens(lens.begin(), lens.end());
+    if (p.forest_skips_idle) {
+      for (int64_t b = 0; b < p.batch; ++b) {
+        if (qo_indptr[b + 1] - qo_indptr[b] <= 0) forest_lens[b] = 0;
+      }
     }
-  }
-  // The forest compares page ids as int32 (wider ids wrap, as the Python cast does).
-  std::vector<int32_t> narrowed;
-  const int32_t* table = p.block_table32;
-  if (table == nullptr) {
-    narrowed.resize(static_cast<size_t>(p.batch * p.cols));
-    for (size_t i = 0; i < narrowed.size(); ++i) {
-      narrowed[i] = static_cast<int32_t>(p.block_table64[i]);
+    // The forest compares page ids as int32 (wider ids wrap, as the Python cast does).
+    std::vector<int32_t> narrowed;
+    const int32_t* table = p.block_table32;
+    if (table == nullptr) {
+      narrowed.resize(static_cast<size_t>(p.batch * p.cols));
+      for (size_t i = 0; i < narrowed.size(); ++i) {
+        narrowed[i] = static_cast<int32_t>(p.block_table64[i]);
+      }
+      table = narrowed.data();
     }
-    table = narrowed.data();
+    build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, out.forest);
   }
-  build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, out.forest);
   pack(p, lens, qo_indptr, out);
 }
 
@@ -826,8 +828,8 @@ void Forest::clear() {
   token_end.clear();
 }
 
-void PlanResult::clear() {
-  forest.clear();
+void PlanResult::clear(bool keep_forest) {
+  if (!keep_forest) forest.clear();
   for (auto* v : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &tile_id, &tile_indptr, &merge_tokens, &merge_indptr, &merge_partials}) {
     v->clear();

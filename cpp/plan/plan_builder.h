@@ -108,7 +108,7 @@ struct PlanResult {
   int64_t partial_bytes = 0;
   int64_t num_partials = 0;
 
-  void clear();  // empties every array, keeping its capacity
+  void clear(bool keep_forest = false);  // empties every array (but the forest's), keeping its capacity
 };
 
 // build_forest(block_table, lens, page_size) on a row-major int32 table.
@@ -123,8 +123,10 @@ void build_forest(const int32_t* block_table, int64_t batch, int64_t cols, const
 PlanResult build_plan(const PlanParams& params);
 
 // The same into `out`, reusing its arrays' capacity (a caller that plans every step can keep
-// one PlanResult).
-void build_plan(const PlanParams& params, PlanResult& out);
+// one PlanResult). With reuse_forest, `out.forest` must be the forest of the same block table,
+// lengths, query layout and page size (an earlier call with other tile tables): only the
+// packing runs again.
+void build_plan(const PlanParams& params, PlanResult& out, bool reuse_forest = false);
 
 }  // namespace plan
 }  // namespace prefixattn

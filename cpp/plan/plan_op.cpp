@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     int64_t page_size, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds, at::IntArrayRef n_sizes,
     c10::string_view packing, bool split_kv, int64_t split_target, bool forest_skips_idle,
-    int64_t wide_rows, int64_t wide_kv_len) {
+    int64_t wide_rows, int64_t wide_kv_len, bool reuse_forest) {
   TORCH_CHECK(block_table.device().is_cpu(), "build_plan: block_table must be a CPU tensor");
   TORCH_CHECK(block_table.dim() == 2, "build_plan: block_table must be 2-D, got ",
               block_table.dim(), "-D");
@@ -95,11 +95,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   TORCH_CHECK_VALUE(split_target >= 0, "build_plan: split_target must be >= 0, got ", split_target);
   p.split_target = split_target;
 
-  // Kept across calls: the next plan reuses its arrays' memory.
+  // Kept across calls: the next plan reuses its arrays' memory, and with reuse_forest the
+  // forest of this thread's previous call (PrefixAttention.plan packs one batch with up to three
+  // tile tables). The key is a guard: a call whose inputs are not the previous call's buffers
+  // and sizes builds its forest anew.
   static thread_local PlanResult r;
+  struct ForestKey {
+    const void* table = nullptr;
+    const void* lens = nullptr;
+    const void* indptr = nullptr;
+    int64_t batch = -1, cols = -1, page_size = -1;
+    bool wide = false, skips = false;
+    bool operator==(const ForestKey& o) const {
+      return table == o.table && lens == o.lens && indptr == o.indptr && batch == o.batch &&
+             cols == o.cols && page_size == o.page_size && wide == o.wide && skips == o.skips;
+    }
+  };
+  static thread_local ForestKey last;
+  static thread_local bool have_last = false;
+  const ForestKey key{block_table.data_ptr(), seq_lens.data_ptr(), qo_indptr.data_ptr(), batch,
+                      p.cols, page_size, table.scalar_type() == at::kLong, forest_skips_idle};
+  const bool reuse = reuse_forest && have_last && key == last;
+  have_last = false;  // until this call has built its forest
   try {
     p.packing = parse_packing(std::string(packing.data(), packing.size()));
-    build_plan(p, r);
+    build_plan(p, r, reuse);
   } catch (const PageIdRangeError& e) {
     TORCH_CHECK_INDEX(false, e.what());
   } catch (const std::out_of_range& e) {
@@ -107,6 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, "build_plan: ", e.what());
   }
+  last = key;
+  have_last = true;
 
   const auto fields = int32_fields(r);
   int64_t total = 0;
@@ -153,7 +175,7 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "build_plan(Tensor block_table, Tensor seq_lens, Tensor qo_indptr, int page_size, "
       "int num_qo_heads, int num_kv_heads, int head_dim, int elem_bytes, int[] m_sizes, "
       "int[] n_bounds, int[] n_sizes, str packing, bool split_kv, int split_target, "
-      "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0) "
+      "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0, bool reuse_forest=False) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
