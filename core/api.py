@@ -613,12 +613,16 @@ class PrefixAttention:
         # The forest is built once per call: the Python planner keeps it here, the compiled one
         # in the op's per-thread state (reuse_forest for every build after the first).
         forests: list[Any] = []
+        # The leaf launch finishes the merged tokens it can (packer.finish_in_leaf): in the
+        # compiled op's call when it plans, else on the Python plan below.
+        finish = self.finish_in_leaf and self.head_dim <= 128
+        leaf_warps = _split_target(self.device) * LEAF_PAIRS_PER_SM if finish else 0
 
         def build(table_of_tiles: TileTable) -> tuple[Any, Any, Any, Any, Any]:
             if self.native_plan and native_plan_available():
                 built = build_plan_native(
                     table, lens, indptr, self.page_size, self._shape, table_of_tiles, packing,
-                    split_kv, target, reuse_forest=bool(forests),
+                    split_kv, target, reuse_forest=bool(forests), finish_leaf_warps=leaf_warps,
                 )  # fmt: skip
                 forests.append(built[0])
                 return built
@@ -666,15 +670,14 @@ class PrefixAttention:
         leaf_max_rows = int(leaf_rows.max(initial=0)) * self._shape.group_size
         leaf_len = host.kv_len[bounds[0] : bounds[1]].astype(np.int64)
         leaf_tiles = int((-(-leaf_len // LEAF_TILE_TOKENS)).sum())
-        num_finished = 0
-        if self.finish_in_leaf and self.head_dim <= 128:
+        num_finished = int(acc.get("num_finished", 0))
+        if finish and "num_finished" not in acc:
             # Merged tokens with one slot in the leaf kernel's items (the 16-row variant): that
             # item finishes them (the leaf launch runs last and merges their other rows itself).
             leaf = np.zeros(len(host.kv_len), dtype=bool)
             leaf[bounds[0] : bounds[1]] = True
-            sms = _split_target(self.device)
             host, num_finished = finish_in_leaf(
-                host, leaf, int(indptr[-1]), self.num_kv_heads, sms * LEAF_PAIRS_PER_SM
+                host, leaf, int(indptr[-1]), self.num_kv_heads, leaf_warps
             )
         _check_pages(host.kv_pages, table, lens, indptr, self.page_size)
         num_tokens = int(indptr[-1])

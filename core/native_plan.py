@@ -212,6 +212,7 @@ def build_plan_native(
     *,
     forest_skips_idle: bool = True,
     reuse_forest: bool = False,
+    finish_leaf_warps: int = 0,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
 
@@ -228,6 +229,10 @@ def build_plan_native(
     ``block_table``, ``seq_lens`` and ``qo_indptr`` objects, unchanged, and the same
     ``page_size`` and ``forest_skips_idle``. Where those are not the previous call's buffers and
     sizes the op builds the forest anyway.
+
+    ``finish_leaf_warps > 0`` also applies :func:`prefixattn.packer.finish_in_leaf` to the
+    packed arrays (the items of 16-row tiles as the leaf items, ``leaf_warps =
+    finish_leaf_warps``); the accounting then has ``num_finished``.
     """
     op = _load()
     if op is None:
@@ -254,19 +259,21 @@ def build_plan_native(
         int(table.wide_rows),
         int(table.wide_kv_len),
         bool(reuse_forest),
+        int(finish_leaf_warps),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()
-    head = meta[: _NUM_FIELDS + 4].tolist()
+    head = meta[: _NUM_FIELDS + 5].tolist()
     arrays = []
     at = 0
     for size in head[:_NUM_FIELDS]:
         arrays.append(ints[at : at + size])
         at += size
-    kv_bytes, partial_bytes, num_partials, num_tiles = head[_NUM_FIELDS:]
-    tm = meta[_NUM_FIELDS + 4 : _NUM_FIELDS + 4 + num_tiles].tolist()
-    tn = meta[_NUM_FIELDS + 4 + num_tiles : _NUM_FIELDS + 4 + 2 * num_tiles].tolist()
-    token_end = meta[_NUM_FIELDS + 4 + 2 * num_tiles :]
+    kv_bytes, partial_bytes, num_partials, num_finished, num_tiles = head[_NUM_FIELDS:]
+    at = _NUM_FIELDS + 5
+    tm = meta[at : at + num_tiles].tolist()
+    tn = meta[at + num_tiles : at + 2 * num_tiles].tolist()
+    token_end = meta[at + 2 * num_tiles :]
 
     nf = len(_FOREST_FIELDS)
     f = dict(zip(_FOREST_FIELDS, arrays[:nf], strict=True))
@@ -286,4 +293,6 @@ def build_plan_native(
         "partial_bytes": partial_bytes,
         "num_partials": num_partials,
     }
+    if finish_leaf_warps > 0:
+        accounting["num_finished"] = num_finished
     return forest, host, tiles, tile_indptr, accounting

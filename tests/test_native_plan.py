@@ -11,9 +11,10 @@ from conftest import Batch, batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import prefixattn
 from prefixattn import PAT_TREES, build_forest, tree_batch
 from prefixattn.native_plan import build_plan_native, native_plan_available
-from prefixattn.packer import PACKINGS, BatchShape, pack
+from prefixattn.packer import PACKINGS, BatchShape, finish_in_leaf, pack
 from prefixattn.tiles import tile_table
 
 pytestmark = pytest.mark.skipif(
@@ -256,3 +257,67 @@ def test_reused_forest_packs_like_a_fresh_one(spec: str, page_size: int) -> None
                                 "memory", True, 132, reuse_forest=True)  # fmt: skip
     _assert_same(_python(block_table, seq_lens, decode, page_size, shape, narrow, "memory", True,
                          132), guarded)  # fmt: skip
+
+
+PLAN_TENSORS = (
+    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("heads", [(32, 8), (64, 8), (16, 8), (32, 32)])
+def test_plan_finishes_the_same_tokens_natively(page_size: int, heads: tuple[int, int]) -> None:
+    """`PrefixAttention.plan` with the compiled planner (which also lets the leaf launch
+    finish merged tokens, in the op) and with the Python one (`packer.finish_in_leaf`) gives
+    the same arrays, finished tokens and tile choice on every PAT tree, for decode steps and
+    for steps with idle requests and several new tokens."""
+    hq, hkv = heads
+    seen_finished = 0
+    for spec in PAT_TREES:
+        block_table, seq_lens = tree_batch(spec, page_size)
+        b = len(seq_lens)
+        qo = np.arange(b) % 3
+        for indptr in (np.arange(b + 1, dtype=np.int32),
+                       np.concatenate(([0], np.cumsum(qo))).astype(np.int32)):  # fmt: skip
+            plans = []
+            for native in (True, False):
+                pa = prefixattn.PrefixAttention(hq, hkv, 128, page_size, device="cpu")
+                pa.native_plan = native
+                plans.append(pa.plan(block_table, seq_lens, indptr))
+            nat, py = plans
+            assert nat.num_finished == py.num_finished, spec
+            assert nat.narrow == py.narrow and nat.tiles == py.tiles, spec
+            for name in PLAN_TENSORS:
+                torch.testing.assert_close(getattr(nat, name), getattr(py, name), msg=name)
+            seen_finished += nat.num_finished
+    assert seen_finished > 0  # the suite has plans whose leaf launch finishes tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batches(max_requests=40, max_pages=30, page_sizes=(1, 2, 5, 16), max_new_tokens=6),
+    st.sampled_from(HEADS),
+    st.sampled_from(PACKINGS),
+    st.sampled_from([1, 8, 64, 1056]),
+)
+def test_finishing_in_the_op_matches_finish_in_leaf(
+    batch: Batch, heads: tuple[int, int], packing: str, leaf_warps: int
+) -> None:
+    """`finish_leaf_warps` applies `packer.finish_in_leaf` in the op: the same arrays and
+    count on random forests (the items of 16-row tiles as leaf items), across the gate's
+    leaf-warp counts."""
+    shape = BatchShape(heads[0], heads[1], 128, 2)
+    table = tile_table(128)
+    args = (batch.block_table, batch.seq_lens, batch.qo_indptr, batch.page_size, shape, table,
+            packing, True, 132)  # fmt: skip
+    forest, host, tiles, tile_indptr, acc = _python(*args)
+    leaf = np.zeros(len(host.kv_len), dtype=bool)
+    for t, (m, _) in enumerate(tiles):
+        if m == 16:
+            leaf[tile_indptr[t] : tile_indptr[t + 1]] = True
+    num_tokens = int(np.asarray(batch.qo_indptr)[-1])
+    host, count = finish_in_leaf(host, leaf, num_tokens, shape.num_kv_heads, leaf_warps)
+    nat = build_plan_native(*args, finish_leaf_warps=leaf_warps)
+    assert nat[4].pop("num_finished") == count
+    _assert_same((forest, host, tiles, tile_indptr, acc), nat)

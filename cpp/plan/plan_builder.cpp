@@ -775,6 +775,94 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   out.num_partials = num_partials;
 }
 
+// packer.finish_in_leaf on the packed arrays (the same gate, order and encoding): a merged
+// token with exactly one slot in a leaf item (16-row tile) and at most kMaxFinishOthers other
+// partial rows is finished by that item. Finished tokens go last in merge_tokens, each keeping
+// its relative order; a finished token's own row goes last among its rows, at position j after
+// its n others, and its leaf slot gets q_out = -2 - (16 j + n).
+constexpr int64_t kLeafTileTokens = 16;
+constexpr int64_t kMaxFinishOthers = 15;
+constexpr int64_t kFinishMaxPairsPerWarp = 2;
+constexpr int64_t kFinishMinTilesPerPair = 8;
+constexpr int64_t kLeafRows = 16;
+
+void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
+  out.num_finished = 0;
+  const int64_t m_count = static_cast<int64_t>(out.merge_tokens.size());
+  const int64_t num_items = static_cast<int64_t>(out.kv_len.size());
+  if (m_count == 0 || static_cast<int64_t>(out.merge_partials.size()) >= (int64_t{1} << 27)) return;
+  std::vector<char> leaf(static_cast<size_t>(num_items), 0);
+  int64_t leaf_items = 0, leaf_tiles = 0;
+  for (int64_t w = 0; w < num_items; ++w) {
+    if (out.tile_m[out.tile_id[w]] == kLeafRows) {
+      leaf[w] = 1;
+      ++leaf_items;
+      leaf_tiles += (out.kv_len[w] + kLeafTileTokens - 1) / kLeafTileTokens;
+    }
+  }
+  if (leaf_items == 0) return;
+  const int64_t pairs = leaf_items * p.num_kv_heads;
+  const int64_t tiles = leaf_tiles * p.num_kv_heads;
+  if (pairs > kFinishMaxPairsPerWarp * p.finish_leaf_warps && tiles < kFinishMinTilesPerPair * pairs) {
+    return;
+  }
+  std::vector<int64_t> tok2m(static_cast<size_t>(num_tokens), -1);
+  for (int64_t m = 0; m < m_count; ++m) tok2m[out.merge_tokens[m]] = m;
+  // The leaf slot of each merged token (-1: none), and how many it has.
+  std::vector<int64_t> leaf_slot(static_cast<size_t>(m_count), -1);
+  std::vector<int32_t> per_token(static_cast<size_t>(m_count), 0);
+  for (int64_t w = 0; w < num_items; ++w) {
+    if (!leaf[w]) continue;
+    for (int32_t s = out.q_indptr[w]; s < out.q_indptr[w + 1]; ++s) {
+      if (out.q_out[s] < 0) continue;
+      const int64_t m = tok2m[out.q_tokens[s]];
+      ++per_token[m];
+      leaf_slot[m] = s;
+    }
+  }
+  std::vector<char> finished(static_cast<size_t>(m_count), 0);
+  int64_t count = 0;
+  for (int64_t m = 0; m < m_count; ++m) {
+    const int64_t size = out.merge_indptr[m + 1] - out.merge_indptr[m];
+    if (per_token[m] == 1 && size <= kMaxFinishOthers + 1) {
+      finished[m] = 1;
+      ++count;
+    }
+  }
+  if (count == 0) return;
+  std::vector<int32_t> tokens, indptr, partials;
+  tokens.reserve(m_count);
+  indptr.reserve(m_count + 1);
+  partials.reserve(out.merge_partials.size());
+  indptr.push_back(0);
+  for (int pass = 0; pass < 2; ++pass) {  // open tokens, then finished ones
+    for (int64_t m = 0; m < m_count; ++m) {
+      if (finished[m] != pass) continue;
+      tokens.push_back(out.merge_tokens[m]);
+      const int32_t b = out.merge_indptr[m], e = out.merge_indptr[m + 1];
+      if (!pass) {
+        partials.insert(partials.end(), out.merge_partials.begin() + b, out.merge_partials.begin() + e);
+      } else {
+        const int64_t s = leaf_slot[m];
+        const int32_t own = out.q_out[s];
+        for (int32_t i = b; i < e; ++i) {
+          if (out.merge_partials[i] != own) partials.push_back(out.merge_partials[i]);
+        }
+        for (int32_t i = b; i < e; ++i) {
+          if (out.merge_partials[i] == own) partials.push_back(own);
+        }
+        const int64_t j = static_cast<int64_t>(partials.size()) - 1;  // the own row's position
+        out.q_out[s] = static_cast<int32_t>(-2 - (16 * j + (e - b - 1)));
+      }
+      indptr.push_back(static_cast<int32_t>(partials.size()));
+    }
+  }
+  out.merge_tokens.swap(tokens);
+  out.merge_indptr.swap(indptr);
+  out.merge_partials.swap(partials);
+  out.num_finished = count;
+}
+
 }  // namespace
 
 void build_plan(const PlanParams& p, PlanResult& out, bool reuse_forest) {
@@ -812,6 +900,7 @@ void build_plan(const PlanParams& p, PlanResult& out, bool reuse_forest) {
     build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, out.forest);
   }
   pack(p, lens, qo_indptr, out);
+  if (p.finish_leaf_warps > 0) finish_in_leaf(p, qo_indptr[p.batch], out);
 }
 
 PlanResult build_plan(const PlanParams& p) {
@@ -836,7 +925,7 @@ void PlanResult::clear(bool keep_forest) {
   }
   tile_m.clear();
   tile_n.clear();
-  kv_bytes = partial_bytes = num_partials = 0;
+  kv_bytes = partial_bytes = num_partials = num_finished = 0;
 }
 
 }  // namespace plan

@@ -64,6 +64,10 @@ struct PlanParams {
   // its tile height / split_target), into parts of at most half that share and at least 256
   // tokens. 0 splits every long item.
   int64_t split_target = 0;
+  // > 0: after packing, let the leaf launch finish the merged tokens it can
+  // (packer.finish_in_leaf with leaf_warps = finish_leaf_warps: the items of 16-row tiles are the
+  // leaf items; PlanResult::num_finished); 0: no finishing.
+  int64_t finish_leaf_warps = 0;
 };
 
 // forest.PrefixForest, plus its children lists in CSR form: the children of node u are
@@ -107,6 +111,7 @@ struct PlanResult {
   int64_t kv_bytes = 0;
   int64_t partial_bytes = 0;
   int64_t num_partials = 0;
+  int64_t num_finished = 0;  // merged tokens the leaf launch finishes (the last of merge_tokens)
 
   void clear(bool keep_forest = false);  // empties every array (but the forest's), keeping its capacity
 };

@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     int64_t page_size, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds, at::IntArrayRef n_sizes,
     c10::string_view packing, bool split_kv, int64_t split_target, bool forest_skips_idle,
-    int64_t wide_rows, int64_t wide_kv_len, bool reuse_forest) {
+    int64_t wide_rows, int64_t wide_kv_len, bool reuse_forest, int64_t finish_leaf_warps) {
   TORCH_CHECK(block_table.device().is_cpu(), "build_plan: block_table must be a CPU tensor");
   TORCH_CHECK(block_table.dim() == 2, "build_plan: block_table must be 2-D, got ",
               block_table.dim(), "-D");
@@ -94,6 +94,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   p.split_kv = split_kv;
   TORCH_CHECK_VALUE(split_target >= 0, "build_plan: split_target must be >= 0, got ", split_target);
   p.split_target = split_target;
+  TORCH_CHECK_VALUE(finish_leaf_warps >= 0, "build_plan: finish_leaf_warps must be >= 0, got ",
+                    finish_leaf_warps);
+  p.finish_leaf_warps = finish_leaf_warps;
 
   // Kept across calls: the next plan reuses its arrays' memory, and with reuse_forest the
   // forest of this thread's previous call (PrefixAttention.plan packs one batch with up to three
@@ -141,13 +144,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   }
   const int64_t num_tiles = static_cast<int64_t>(r.tile_m.size());
   const int64_t num_nodes = r.forest.num_nodes();
-  at::Tensor meta = at::empty({kNumInt32Fields + 4 + 2 * num_tiles + num_nodes},
+  at::Tensor meta = at::empty({kNumInt32Fields + 5 + 2 * num_tiles + num_nodes},
                               at::TensorOptions().dtype(at::kLong));
   int64_t* m = meta.data_ptr<int64_t>();
   for (const auto* v : fields) *m++ = static_cast<int64_t>(v->size());
   *m++ = r.kv_bytes;
   *m++ = r.partial_bytes;
   *m++ = r.num_partials;
+  *m++ = r.num_finished;
   *m++ = num_tiles;
   for (int64_t t = 0; t < num_tiles; ++t) *m++ = r.tile_m[t];
   for (int64_t t = 0; t < num_tiles; ++t) *m++ = r.tile_n[t];
@@ -175,7 +179,8 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "build_plan(Tensor block_table, Tensor seq_lens, Tensor qo_indptr, int page_size, "
       "int num_qo_heads, int num_kv_heads, int head_dim, int elem_bytes, int[] m_sizes, "
       "int[] n_bounds, int[] n_sizes, str packing, bool split_kv, int split_target, "
-      "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0, bool reuse_forest=False) "
+      "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0, bool reuse_forest=False, "
+      "int finish_leaf_warps=0) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
