@@ -779,7 +779,9 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
 // token with exactly one slot in a leaf item (16-row tile) and at most kMaxFinishOthers other
 // partial rows is finished by that item. Finished tokens go last in merge_tokens, each keeping
 // its relative order; a finished token's own row goes last among its rows, at position j after
-// its n others, and its leaf slot gets q_out = -2 - (16 j + n).
+// its n others, and its leaf slot gets q_out = -2 - (16 j + n). The constants are packer.py's
+// LEAF_TILE_TOKENS, MAX_FINISH_OTHERS, FINISH_MAX_PAIRS_PER_WARP and FINISH_MIN_TILES_PER_PAIR
+// (tests/test_native_plan.py compares the two implementations).
 constexpr int64_t kLeafTileTokens = 16;
 constexpr int64_t kMaxFinishOthers = 15;
 constexpr int64_t kFinishMaxPairsPerWarp = 2;

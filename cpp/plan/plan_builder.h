@@ -1,7 +1,8 @@
 // Host-side launch-plan construction: block table -> prefix forest -> packed work items.
 //
-// A torch-free implementation of prefixattn's `build_forest` (core/forest.py) and `pack`
-// (core/packer.py). It produces the same arrays, in the same order, as those functions:
+// A torch-free implementation of prefixattn's `build_forest` (core/forest.py), `pack` and,
+// on request, `finish_in_leaf` (core/packer.py). It produces the same arrays, in the same
+// order, as those functions:
 // see docs/architecture.md for the method and core/plan.py for the meaning of every array.
 #pragma once
 
