@@ -85,6 +85,16 @@ ABLATIONS: dict[str, Variant] = {
     "cold_plan": MAIN,
     "sync_full": MAIN,
 }
+# The ablations that run the default plan with one of the CUDA launcher's switches set to "0"
+# around each call (see above).
+ENV_ABLATIONS = {
+    "tile16": "PREFIXATTN_LEAF_KERNEL",
+    "wide_leaf": "PREFIXATTN_LEAF_NARROW",
+    "full_grid": "PREFIXATTN_BALANCED_GRID",
+    "mma64": "PREFIXATTN_WGMMA64",
+    "cold_plan": "PREFIXATTN_WARM_L2",
+    "sync_full": "PREFIXATTN_WGMMA_ASYNC_FULL",
+}
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
 
@@ -462,18 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
                 chained=pa.chain_launches and name != "unchained", finish=pa.finish_in_leaf,
             )  # fmt: skip
-            if name == "tile16":
-                calls[name] = with_env("PREFIXATTN_LEAF_KERNEL", "0", calls[name])
-            if name == "wide_leaf":
-                calls[name] = with_env("PREFIXATTN_LEAF_NARROW", "0", calls[name])
-            if name == "full_grid":
-                calls[name] = with_env("PREFIXATTN_BALANCED_GRID", "0", calls[name])
-            if name == "mma64":
-                calls[name] = with_env("PREFIXATTN_WGMMA64", "0", calls[name])
-            if name == "cold_plan":
-                calls[name] = with_env("PREFIXATTN_WARM_L2", "0", calls[name])
-            if name == "sync_full":
-                calls[name] = with_env("PREFIXATTN_WGMMA_ASYNC_FULL", "0", calls[name])
+            if name in ENV_ABLATIONS:
+                calls[name] = with_env(ENV_ABLATIONS[name], "0", calls[name])
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)

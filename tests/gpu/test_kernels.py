@@ -52,6 +52,30 @@ def assert_close_to_reference(out, ref, dtype, plan, context=""):
     assert err <= tol, f"{context}max error {err} > {tol} ({plan.summary()})"
 
 
+def tree_inputs(spec, hq, hkv, d, ps, dtype, layout, inter, qlen, seed):
+    """PAT tree `spec` at page size `ps`: block table, lengths, query layout (`qlen` tokens per
+    request), q and the caches, drawn from one generator seeded with `seed`."""
+    table, lens = tree_batch(spec, ps, seed=seed)
+    num_pages = int(table.max()) + 1
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
+    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    return table, lens, qo_indptr, q, k, v
+
+
+def outputs_under_env(monkeypatch, name, values, plan, q, k, v, scale, **run_args):
+    """The plan's output once per value of the environment variable `name` (each output
+    poisoned with NaN before its run)."""
+    outs = []
+    for value in values:
+        monkeypatch.setenv(name, value)
+        out = torch.full_like(q, float("nan"))
+        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV), **run_args)
+        outs.append(out)
+    return outs
+
+
 def random_forest(rng, page_size, batch, max_shared_pages, max_private):
     """Requests grouped under a few random prefixes of whole pages, plus odd private tails."""
     num_prefixes = int(rng.integers(1, 4))
@@ -192,12 +216,7 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
     average at most 3 tiles (20-token leaves; 50-token ones average 4), its short form: each
     writes the same bits as the general form, and the reference's values."""
     hq, hkv, d, ps, dtype, layout, inter = case
-    table, lens = tree_batch(spec, ps, seed=5)
-    num_pages = int(table.max()) + 1
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
-    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
-    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, inter, 1, 5)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     pa.one_launch_in_one_wave = False
     pa.finish_in_leaf = False  # the narrow form runs only where the leaf launch does not finish
@@ -207,12 +226,8 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
     assert short == (spec.endswith(",20") and ps != 64), plan.summary()  # 64: 52-token leaves
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
     scale = 1.0 / math.sqrt(d)
-    outs = []
-    for narrow in ("1", "0"):
-        monkeypatch.setenv("PREFIXATTN_LEAF_NARROW", narrow)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True)
-        outs.append(out)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_LEAF_NARROW", ("1", "0"), plan, q, k, v,
+                             scale, chained=True)  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert_close_to_reference(outs[0], ref, dtype, plan)
@@ -233,23 +248,12 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
     pair's work does not depend on the warp that runs it), and the reference's values."""
     hq, hkv = heads
     d, ps, dtype = 128, 16, torch.bfloat16
-    table, lens = tree_batch(spec, ps, seed=6)
-    num_pages = int(table.max()) + 1
-    gen = torch.Generator(device=DEV).manual_seed(6)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
-    qo_indptr = np.arange(len(lens) + 1, dtype=np.int32)
-    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, "NHD", False, 1, 6)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
     plan = pa.plan(table, lens, qo_indptr)
     scale = 1.0 / math.sqrt(d)
-    outs = []
-    for balanced in ("1", "0"):
-        monkeypatch.setenv("PREFIXATTN_BALANCED_GRID", balanced)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(
-            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
-        )
-        outs.append(out)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_BALANCED_GRID", ("1", "0"), plan, q, k, v,
+                             scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
     assert_close_to_reference(outs[0], ref, dtype, plan)
@@ -269,23 +273,14 @@ def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
     values (leaf, 64-row and 128-row launches, page sizes 16 and 1, causal query runs)."""
     hq, hkv = heads
     d, dtype = 128, torch.bfloat16
-    table, lens = tree_batch(spec, ps, seed=8)
-    num_pages = int(table.max()) + 1
-    gen = torch.Generator(device=DEV).manual_seed(8)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, "NHD", False, gen)
-    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
-    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, "NHD", False, qlen, 8
+    )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
     plan = pa.plan(table, lens, qo_indptr)
     scale = 1.0 / math.sqrt(d)
-    outs = []
-    for warm in ("1", "0"):
-        monkeypatch.setenv("PREFIXATTN_WARM_L2", warm)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(
-            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
-        )
-        outs.append(out)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WARM_L2", ("1", "0"), plan, q, k, v, scale,
+                             chained=True, finish=pa.finish_in_leaf)  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
     assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WARM_L2=1")
@@ -306,25 +301,16 @@ def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, 
     sizes 16, 1 and 24, causal query runs)."""
     hq, hkv = heads
     d, dtype = 128, torch.bfloat16
-    table, lens = tree_batch(spec, ps, seed=9)
-    num_pages = int(table.max()) + 1
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
-    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
-    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, 9
+    )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     plan = pa.plan(table, lens, qo_indptr)
     assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
                for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
     scale = 1.0 / math.sqrt(d)
-    outs = []
-    for mode in ("1", "0"):
-        monkeypatch.setenv("PREFIXATTN_WGMMA_ASYNC_FULL", mode)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(
-            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
-        )
-        outs.append(out)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_ASYNC_FULL", ("1", "0"), plan, q, k,
+                             v, scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_ASYNC_FULL=1")
@@ -348,12 +334,9 @@ def test_wgmma64_matches_mma64(case, dtype, monkeypatch):
     causal query lengths above 1."""
     spec, (hq, hkv), ps, layout, inter, qlen = case
     d = 128
-    table, lens = tree_batch(spec, ps, seed=7)
-    num_pages = int(table.max()) + 1
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    k, v = make_cache(num_pages, ps, hkv, d, dtype, layout, inter, gen)
-    qo_indptr = (np.arange(len(lens) + 1) * qlen).astype(np.int32)
-    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen, device=DEV).to(dtype)
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, 7
+    )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     narrow = pa.tiles.narrow()
     assert narrow is not None and narrow.m_sizes == (16, 64)
@@ -363,12 +346,10 @@ def test_wgmma64_matches_mma64(case, dtype, monkeypatch):
                for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
     scale = 1.0 / math.sqrt(d)
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    for kernel in ("1", "0"):
-        monkeypatch.setenv("PREFIXATTN_WGMMA64", kernel)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(
-            plan, q, k, v, out, scale, _ops.Workspace(DEV), chained=True, finish=pa.finish_in_leaf
-        )
+    kernels = ("1", "0")
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA64", kernels, plan, q, k, v, scale,
+                             chained=True, finish=pa.finish_in_leaf)  # fmt: skip
+    for kernel, out in zip(kernels, outs, strict=True):
         assert_close_to_reference(out, ref, dtype, plan, f"PREFIXATTN_WGMMA64={kernel}")
 
 
