@@ -470,12 +470,15 @@ def test_long_kv(split_kv):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize(("length", "short", "parts"), [(5000, 30, 20), (40000, 100, 94)])
+@pytest.mark.parametrize(
+    ("length", "short", "parts"),
+    [(2000, 20, 8), (5000, 30, 20), (8000, 40, 32), (9000, 40, 36), (40000, 100, 94)],
+)
 def test_merge_many_partials(d, length, short, parts):
     """A long request beside many short ones, every long item cut at the mean node length
-    (split_target=0): 20 partial rows for its token (the merge's block path) or 94 (its
-    warp-per-head path), 40 query heads (a last group of heads that fills part of a merge
-    block), fp16."""
+    (split_target=0): 8 to 94 partial rows for its token (one warp per head reads them 32 at
+    a time, 8 rows per step: one step, a full set of 32, 32 and a few, three sets), 40 query
+    heads (a last group of heads that fills part of a merge block), fp16."""
     pages = -(-length // 16)
     num_pages = pages + 3 * short
     table = np.full((1 + short, pages), num_pages - 1, dtype=np.int32)

@@ -526,33 +526,70 @@ __global__ void __launch_bounds__(detail::kThreads) forward_kernel(const Forward
 namespace detail {
 // One warp merges one (token, head): merge_kernel's path for small merges (a warp per pair of
 // the plan) and, inside a block, for tokens with more than kMergeMaxPartials partial rows.
-// Lane owns D / 32 contiguous dims.
+// Lane owns D / 32 contiguous dims. The token's partials go 32 at a time: lane j loads partial
+// j's row index and log-sum-exp (one round trip for all of them), then the warp reads
+// kMergeUnroll rows at once (index and weight passed by shuffle), so a token with n partials
+// waits on about 3 + n / kMergeUnroll dependent loads instead of n.
+constexpr int kMergeUnroll = 8;
 template <typename T, int D>
 __device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int h, int lane) {
   constexpr int kDpl = D / 32;
+  constexpr unsigned kAll = 0xffffffffu;
   const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
-  float m = -INFINITY;
-  for (int j = begin + lane; j < end; j += 32)
-    m = fmaxf(m, __ldcg(p.partial_lse + static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h));
+  // Pass 1: the max log-sum-exp; the first 32 partials' indices and lse stay in registers.
+  float m = -INFINITY, lse0 = -INFINITY;
+  int row0 = 0;
+  for (int j = begin + lane; j < end; j += 32) {
+    const int r = p.merge_partials[j];
+    const float x = __ldcg(p.partial_lse + static_cast<int64_t>(r) * p.num_qo_heads + h);
+    if (j < begin + 32) row0 = r, lse0 = x;
+    m = fmaxf(m, x);
+  }
   m = warp_max(m);
   float acc[kDpl];
 #pragma unroll
   for (int d = 0; d < kDpl; ++d) acc[d] = 0.f;
   float wsum = 0.f;
   if (m != -INFINITY) {
-    for (int j = begin; j < end; ++j) {
-      const int64_t row = static_cast<int64_t>(p.merge_partials[j]) * p.num_qo_heads + h;
-      const float w = __expf(__ldcg(p.partial_lse + row) - m);
+    for (int base = begin; base < end; base += 32) {
+      int r = row0;
+      float x = lse0;
+      if (base != begin) {  // tokens of more than 32 partials: reload this chunk's
+        const int j = base + lane;
+        r = j < end ? p.merge_partials[j] : 0;
+        x = j < end ? __ldcg(p.partial_lse + static_cast<int64_t>(r) * p.num_qo_heads + h) : -INFINITY;
+      }
+      const float w = x == -INFINITY ? 0.f : __expf(x - m);  // 0 past the token's partials
       wsum += w;
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.partial_o) + row * D + lane * kDpl);
+      const int cnt = min(32, end - base);
+      for (int k0 = 0; k0 < cnt; k0 += kMergeUnroll) {
+        uint32_t v[kMergeUnroll][kDpl / 2];
+        float wk[kMergeUnroll];
 #pragma unroll
-      for (int d = 0; d < kDpl; d += 2) {
-        const float2 x = Vec<T>::to_float2(__ldcg(src + d / 2));
-        acc[d] += w * x.x;
-        acc[d + 1] += w * x.y;
+        for (int u = 0; u < kMergeUnroll; ++u) {
+          const int k = k0 + u;
+          const int rk = __shfl_sync(kAll, r, k & 31);
+          wk[u] = __shfl_sync(kAll, w, k & 31);
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(
+              static_cast<const T*>(p.partial_o) + (static_cast<int64_t>(rk) * p.num_qo_heads + h) * D +
+              lane * kDpl);
+#pragma unroll
+          for (int d = 0; d < kDpl / 2; ++d) v[u][d] = k < cnt ? __ldcg(src + d) : 0u;
+          if (k >= cnt) wk[u] = 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kMergeUnroll; ++u) {
+#pragma unroll
+          for (int d = 0; d < kDpl / 2; ++d) {
+            const float2 f = Vec<T>::to_float2(v[u][d]);
+            acc[2 * d] += wk[u] * f.x;
+            acc[2 * d + 1] += wk[u] * f.y;
+          }
+        }
       }
     }
   }
+  wsum = warp_sum(wsum);
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* o = static_cast<T*>(p.out) + p.merge_tokens[i] * p.o_stride_t + h * p.o_stride_h + lane * kDpl;
 #pragma unroll
@@ -565,6 +602,7 @@ __device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int
 constexpr int kMergeMaxPartials = 16;
 constexpr int kMergeMaxHeads = 256;
 constexpr int kMergeThreads = 256;
+constexpr int kMergeBlockUnroll = 4;  // partial rows read at once by the block path
 inline int merge_smem_bytes(int num_qo_heads) {
   return num_qo_heads <= kMergeMaxHeads ? kMergeMaxPartials * (num_qo_heads + 1) * 4 : 0;
 }
@@ -579,7 +617,7 @@ inline int merge_smem_bytes(int num_qo_heads) {
 //   2. a thread per head: the max of the head's fp32 log-sum-exps and the normalised weights
 //      exp(lse - max) / sum into shared memory (0 where no partial saw a key);
 //   3. a thread per 8 contiguous elements of the token's [heads, D] output: the weighted sum
-//      of the partial rows (q's dtype, 16-byte loads, two partials per step) in fp32,
+//      of the partial rows (q's dtype, 16-byte loads, kMergeBlockUnroll partials per step) in fp32,
 //      written in q's dtype.
 //   A token with more than kMergeMaxPartials partials (or more than kMergeMaxHeads heads)
 //   takes the warp-per-head path within its block.
@@ -635,29 +673,26 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
       float acc[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-      int j = 0;
-      for (; j + 2 <= n; j += 2) {
-        const uint4 x0 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j] * elems));
-        const uint4 x1 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j + 1] * elems));
-        const float w0 = wts[j * hq + h], w1 = wts[(j + 1) * hq + h];
-        const uint32_t a0[4] = {x0.x, x0.y, x0.z, x0.w}, a1[4] = {x1.x, x1.y, x1.z, x1.w};
+      // kMergeBlockUnroll partial rows per step, their loads issued together.
+      for (int j = 0; j < n; j += kMergeBlockUnroll) {
+        uint4 x[kMergeBlockUnroll];
+        float w[kMergeBlockUnroll];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 f0 = detail::Vec<T>::to_float2(a0[k]);
-          const float2 f1 = detail::Vec<T>::to_float2(a1[k]);
-          acc[2 * k] += w0 * f0.x + w1 * f1.x;
-          acc[2 * k + 1] += w0 * f0.y + w1 * f1.y;
+        for (int u = 0; u < kMergeBlockUnroll; ++u) {
+          const bool ok = j + u < n;
+          const int jj = ok ? j + u : n - 1;  // stays inside the token's rows and weights
+          x[u] = ok ? __ldcg(reinterpret_cast<const uint4*>(src + rows[jj] * elems)) : make_uint4(0, 0, 0, 0);
+          w[u] = ok ? wts[jj * hq + h] : 0.f;
         }
-      }
-      if (j < n) {
-        const uint4 x0 = __ldcg(reinterpret_cast<const uint4*>(src + rows[j] * elems));
-        const float w0 = wts[j * hq + h];
-        const uint32_t a0[4] = {x0.x, x0.y, x0.z, x0.w};
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 f0 = detail::Vec<T>::to_float2(a0[k]);
-          acc[2 * k] += w0 * f0.x;
-          acc[2 * k + 1] += w0 * f0.y;
+        for (int u = 0; u < kMergeBlockUnroll; ++u) {
+          const uint32_t a[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 f = detail::Vec<T>::to_float2(a[k]);
+            acc[2 * k] += w[u] * f.x;
+            acc[2 * k + 1] += w[u] * f.y;
+          }
         }
       }
       alignas(16) T vals[8];
