@@ -178,6 +178,9 @@ void warm_range(WarmL2& w, int r, const void* ptr, int64_t bytes, int64_t cap) {
 // The wgmma producer's stages signal full as their copies land (ForwardParams::async_full)
 // unless PREFIXATTN_WGMMA_ASYNC_FULL is "0".
 bool async_full_enabled() { return switch_on("PREFIXATTN_WGMMA_ASYNC_FULL"); }
+// The wgmma producer stages each pair's page ids in shared memory
+// (ForwardParams::smem_pages) unless PREFIXATTN_WGMMA_SMEM_PAGES is "0".
+bool smem_pages_enabled() { return switch_on("PREFIXATTN_WGMMA_SMEM_PAGES"); }
 
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
@@ -404,6 +407,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     warm_range(p.warm, r++, q.data_ptr(), q_elems * q.element_size(), kWarmQCap);
   }
   p.async_full = async_full_enabled() ? 1 : 0;
+  p.smem_pages = smem_pages_enabled() ? 1 : 0;
   p.page_size = page_size;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
   p.group_size = hq / hkv;

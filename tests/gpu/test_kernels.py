@@ -316,6 +316,41 @@ def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, 
     assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_ASYNC_FULL=1")
 
 
+@pytest.mark.parametrize(
+    "spec, heads, ps, layout, inter, qlen, fixed",
+    [
+        # root parts of 688 pages at page size 1: past the 512 staged ids
+        ("1,10_4096,416", (32, 8), 1, "NHD", False, 1, False),
+        ("1,10_4096,416", (64, 8), 16, "HND", True, 1, True),
+        ("1,4,16,512_1024,256,128,32", (64, 8), 16, "NHD", False, 1, False),
+        # a fixed grid: blocks switch pairs, and stage each pair's ids in turn
+        ("1,4,16,512_1024,256,128,32", (32, 8), 1, "HND", False, 1, True),
+        ("1,8,32_700,300,50", (32, 8), 24, "NHD", True, 3, True),
+    ],
+)
+def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fixed, monkeypatch):
+    """The `wgmma` producer reads each pair's first 512 page ids from shared memory, staged
+    when the pair starts, unless PREFIXATTN_WGMMA_SMEM_PAGES=0 (every id from global memory):
+    the same bytes, so the same bits, and the reference's values (pairs longer than the
+    staged ids, fixed grids whose blocks run several pairs, page size 24)."""
+    hq, hkv = heads
+    d, dtype = 128, torch.bfloat16
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, 11
+    )
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    scale = 1.0 / math.sqrt(d)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_SMEM_PAGES", ("1", "0"), plan, q, k,
+                             v, scale, chained=True, finish=pa.finish_in_leaf,
+                             fixed_grid=fixed)  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_SMEM_PAGES=1")
+
+
 WGMMA64_CASES = [
     # tree, heads, page size, layout, interleaved K|V, query tokens per request
     ("1,256_256,32", (32, 8), 16, "NHD", False, 1),

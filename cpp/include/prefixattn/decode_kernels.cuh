@@ -109,6 +109,8 @@ struct ForwardParams {
   // 1: the wgmma producer's copies signal their stage full as they land, up to STAGES tiles in
   // flight; 0: two tiles in flight (wgmma_forward.cuh).
   int async_full;
+  // 1: the `wgmma` producer stages each pair's page ids in shared memory (KvCopier::spg).
+  int smem_pages;
   float scale_log2;    // softmax scale * log2(e)
   WarmL2 warm;
 };
@@ -781,6 +783,11 @@ namespace detail {
 // The copy side's position in its pair stream. k_base / v_base (the pair's first KV head)
 // include the thread's column `col`. The next pair's KV length and page offset are fetched
 // one pair ahead, so moving on to a pair never waits on them.
+// bar.sync on named barrier `id` for `threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <typename T>
 struct PairCursor {
   PairPos pos;
@@ -838,13 +845,19 @@ struct PairCursor {
 // kEvictFirst: the copies carry an L2 evict-first policy, for launches whose items rarely
 // share pages (docs/kernel-notes.md v46); the `wgmma` producer, whose 128-row items are often
 // row chunks of one node reading the same pages, keeps the default.
-template <typename T, int ROWS, int SLICE, bool kEvictFirst = false>
+template <typename T, int ROWS, int SLICE, bool kEvictFirst = false, bool kSmemPages = false>
 struct KvCopier {
   PairCursor<T> ld;
   int tile, sub, stage;  // tile within the KV head, KV head within the pair
   bool done;
   int row0, step, col, dst0, dst_step;
   int pg[ROWS];
+  // kSmemPages: the current pair's first spg_cap page ids, staged in shared memory by the
+  // spg_threads copying threads (named barrier 2) when the pair starts, so a tile's page ids
+  // are a shared-memory load instead of a global one (docs/kernel-notes.md v62). spg ==
+  // nullptr: every page id from global memory.
+  int32_t* spg = nullptr;
+  int spg_cap = 0, spg_threads = 0, spg_n = 0;
 
   __device__ __forceinline__ void start(const ForwardParams& p, const WorkRange& range) {
     ld.first(p, range, col);
@@ -852,10 +865,22 @@ struct KvCopier {
     sub = 0;
     stage = 0;
     done = false;
+    stage_pages(p);
     if (p.page_shift >= 0)
       load_pages<true>(p);
     else
       load_pages<false>(p);
+  }
+  // The pair's page ids [0, min(pages, spg_cap)) into spg, by the spg_threads copying threads.
+  __device__ __forceinline__ void stage_pages(const ForwardParams& p) {
+    if constexpr (!kSmemPages) return;
+    if (spg == nullptr) return;
+    named_barrier_sync(2, spg_threads);  // every thread is done with the previous pair's ids
+    const int n = p.page_shift >= 0 ? (ld.kv_len + p.page_size - 1) >> p.page_shift
+                                    : (ld.kv_len + p.page_size - 1) / p.page_size;
+    spg_n = min(n, spg_cap);
+    for (int i = static_cast<int>(threadIdx.x); i < spg_n; i += spg_threads) spg[i] = ld.pages[i];
+    named_barrier_sync(2, spg_threads);
   }
   template <bool kPow2>
   __device__ __forceinline__ void load_pages(const ForwardParams& p) {
@@ -864,7 +889,10 @@ struct KvCopier {
     for (int i = 0; i < ROWS; ++i) {
       const int pos = pos0 + i * step;
       const int idx = kPow2 ? pos >> p.page_shift : p.page_div.div(pos);
-      pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
+      if constexpr (kSmemPages)
+        pg[i] = pos < ld.kv_len ? (idx < spg_n ? spg[idx] : ld.pages[idx]) : 0;
+      else
+        pg[i] = pos < ld.kv_len ? ld.pages[idx] : 0;
     }
   }
   template <bool kPow2>
@@ -929,6 +957,7 @@ struct KvCopier {
         if (++sub == range.heads) {
           sub = 0;
           done = !ld.next(p, range, col);
+          if (!done) stage_pages(p);
         } else {
           ld.k_base += p.k_stride_head;
           ld.v_base += p.v_stride_head;

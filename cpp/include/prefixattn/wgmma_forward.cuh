@@ -5,7 +5,8 @@
 //
 // Block: 128 (1 + CWG) threads. Warpgroup 0 is the producer: it streams the KV tiles of the
 // block's pairs into STAGES shared-memory stages with cp.async (the page-table walk and all copy
-// addressing live there) and signals each stage through an mbarrier ("full") as its copies land
+// addressing live there; each pair's first 512 page ids are staged in shared memory as the pair
+// starts) and signals each stage through an mbarrier ("full") as its copies land
 // (cp.async.mbarrier.arrive, up to STAGES tiles in flight); a consumer fences the stage for the
 // async proxy after its wait. Warpgroups 1 .. CWG are consumers of 64 query
 // rows each (warp w owns rows 16 (w - 4) .. + 15, as in the 8-warp mma.sync kernel); each warp
@@ -184,12 +185,17 @@ __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// Page ids of a pair that the `wgmma` producer keeps in shared memory (the first 512: 32768
+// tokens at page size 64, 8192 at 16, 512 at 1; later ones come from global memory).
+constexpr int kWgmmaPageIds = 512;
+
 }  // namespace detail
 
 template <int D, int STAGES>
 constexpr int forward_wgmma_smem_bytes() {
-  // K and V tiles per stage, no padding, and up to 1024 bytes to align the first atom.
-  return STAGES * 2 * detail::kTileN * D * 2 + 1024;
+  // K and V tiles per stage, no padding, up to 1024 bytes to align the first atom, then the
+  // producer's page ids of the current pair (kWgmmaPageIds).
+  return STAGES * 2 * detail::kTileN * D * 2 + 1024 + detail::kWgmmaPageIds * 4;
 }
 // One producer warpgroup and CWG consumer warpgroups of 64 rows each: 128 rows (CWG = 2, one
 // block per SM) or 64 rows (CWG = 1, two blocks per SM). With two consumer warpgroups the
@@ -255,7 +261,9 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
     static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
-    KvCopier<T, kLdRows, kTileN> cp;  // both consumer warpgroups compute every key of a tile
+    // Both consumer warpgroups compute every key of a tile; the pair's page ids are staged in
+    // shared memory when p.smem_pages is set.
+    KvCopier<T, kLdRows, kTileN, /*kEvictFirst=*/false, /*kSmemPages=*/true> cp;
     cp.row0 = tid / kChunks;
     cp.step = kLdStep;
     cp.col = (tid % kChunks) * 8;
@@ -263,6 +271,11 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
       const int ch = tid % kChunks;
       cp.dst0 = (ch >> 3) * kAtomElems + cp.row0 * 64 + (((ch & 7) ^ (cp.row0 & 7)) << 3);
       cp.dst_step = kLdStep * 64;
+    }
+    if (p.smem_pages) {
+      cp.spg = reinterpret_cast<int32_t*>(kv_s + STAGES * 2 * kTileElems);
+      cp.spg_cap = kWgmmaPageIds;
+      cp.spg_threads = kProducerThreads;
     }
     cp.start(p, range);
     int phase = 0, landing = -1;  // `landing`: the stage whose copies are in flight
