@@ -780,14 +780,14 @@ constexpr int forward_mma_smem_bytes() {
 }
 
 namespace detail {
-// The copy side's position in its pair stream. k_base / v_base (the pair's first KV head)
-// include the thread's column `col`. The next pair's KV length and page offset are fetched
-// one pair ahead, so moving on to a pair never waits on them.
 // bar.sync on named barrier `id` for `threads` threads (a multiple of 32).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The copy side's position in its pair stream. k_base / v_base (the pair's first KV head)
+// include the thread's column `col`. The next pair's KV length and page offset are fetched
+// one pair ahead, so moving on to a pair never waits on them.
 template <typename T>
 struct PairCursor {
   PairPos pos;
