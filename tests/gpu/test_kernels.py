@@ -286,6 +286,27 @@ def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
     assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WARM_L2=1")
 
 
+def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, seed, **run_args):
+    """A launcher switch of the `wgmma` producer (`name` set to "1", then to "0") on a PAT
+    tree whose plan runs a tile of at least 64 rows: the same bits either way, and the
+    reference's values (bf16, head_dim 128, chained launches, leaf finishing as planned)."""
+    hq, hkv = heads
+    d, dtype = 128, torch.bfloat16
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, seed
+    )
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    scale = 1.0 / math.sqrt(d)
+    outs = outputs_under_env(monkeypatch, name, ("1", "0"), plan, q, k, v, scale, chained=True,
+                             finish=pa.finish_in_leaf, **run_args)  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    assert_close_to_reference(outs[0], ref, dtype, plan, f"{name}=1")
+
+
 @pytest.mark.parametrize(
     "spec, heads, ps, layout, inter, qlen",
     [
@@ -299,21 +320,8 @@ def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, 
     flight) unless PREFIXATTN_WGMMA_ASYNC_FULL=0 (two tiles in flight): the same products on
     the same bytes, so the same bits, and the reference's values (128- and 64-row tiles, page
     sizes 16, 1 and 24, causal query runs)."""
-    hq, hkv = heads
-    d, dtype = 128, torch.bfloat16
-    table, lens, qo_indptr, q, k, v = tree_inputs(
-        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, 9
-    )
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
-    plan = pa.plan(table, lens, qo_indptr)
-    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
-               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
-    scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_ASYNC_FULL", ("1", "0"), plan, q, k,
-                             v, scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_ASYNC_FULL=1")
+    check_wgmma_switch(monkeypatch, "PREFIXATTN_WGMMA_ASYNC_FULL", spec, heads, ps, layout, inter,
+                       qlen, 9)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -333,22 +341,8 @@ def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fix
     when the pair starts, unless PREFIXATTN_WGMMA_SMEM_PAGES=0 (every id from global memory):
     the same bytes, so the same bits, and the reference's values (pairs longer than the
     staged ids, fixed grids whose blocks run several pairs, page size 24)."""
-    hq, hkv = heads
-    d, dtype = 128, torch.bfloat16
-    table, lens, qo_indptr, q, k, v = tree_inputs(
-        spec, hq, hkv, d, ps, dtype, layout, inter, qlen, 11
-    )
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
-    plan = pa.plan(table, lens, qo_indptr)
-    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
-               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
-    scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_SMEM_PAGES", ("1", "0"), plan, q, k,
-                             v, scale, chained=True, finish=pa.finish_in_leaf,
-                             fixed_grid=fixed)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WGMMA_SMEM_PAGES=1")
+    check_wgmma_switch(monkeypatch, "PREFIXATTN_WGMMA_SMEM_PAGES", spec, heads, ps, layout, inter,
+                       qlen, 11, fixed_grid=fixed)  # fmt: skip
 
 
 WGMMA64_CASES = [
