@@ -56,8 +56,8 @@ def cuda_ops_available() -> bool:
 
 
 class Workspace:
-    """Scratch owned by a ``PrefixAttention``: the partial output rows (in q's dtype), their
-    fp32 log-sum-exp, and the counters of the merge inside the forward launches.
+    """Scratch owned by a ``PrefixAttention``: the partial output rows (in q's dtype) and their
+    fp32 log-sum-exp.
 
     Buffers grow (doubling) only when a plan needs more, or change when q's dtype does; their
     addresses are otherwise stable, which keeps captured CUDA graphs valid.
@@ -67,9 +67,6 @@ class Workspace:
         self.device = torch.device(device)
         self.partial_o = torch.empty(0, dtype=dtype, device=self.device)
         self.partial_lse = torch.empty(0, dtype=torch.float32, device=self.device)
-        self.merge_count = torch.zeros(0, dtype=torch.int32, device=self.device)
-        """Arrivals per (merged token, query head) of the merge inside the forward launches,
-        one per ``partial_lse`` entry; the kernels leave them at zero after every call."""
 
     def reserve(
         self, num_partials: int, num_qo_heads: int, head_dim: int, dtype: torch.dtype | None = None
@@ -83,7 +80,6 @@ class Workspace:
         if self.partial_lse.numel() < rows:
             rows = max(rows, 2 * self.partial_lse.numel())
             self.partial_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-            self.merge_count = torch.zeros(rows, dtype=torch.int32, device=self.device)
             moved = True
         size = self.partial_lse.numel() * head_dim
         if moved or self.partial_o.numel() < rows * head_dim or self.partial_o.dtype != dtype:
@@ -117,8 +113,6 @@ def run_plan_cuda(
     tokens (always with serial groups and the leaf kernel under a fixed grid, so a captured
     graph runs any plan either way); False, or concurrent groups, or
     ``PREFIXATTN_LEAF_KERNEL=0``: the merge launch takes every merged token.
-    With ``plan.partial_merge`` (head_dim <= 128) the forward launches merge the other merged
-    tokens themselves and no merge launch runs, unless ``PREFIXATTN_FORWARD_MERGE=0``.
     """
     if not _load():
         raise RuntimeError("prefixattn: the compiled library (_C) is not available")
@@ -163,6 +157,4 @@ def run_plan_cuda(
         bool(finish),
         int(plan.leaf_max_rows),
         int(plan.leaf_tiles),
-        plan.partial_merge,
-        workspace.merge_count if plan.partial_merge is not None else None,
     )

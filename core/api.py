@@ -30,7 +30,7 @@ from .packer import (
     finish_in_leaf,
     pack,
 )
-from .plan import LaunchPlan, PlanArrays, partial_merge_rows
+from .plan import LaunchPlan, PlanArrays
 from .reference import run_plan_reference
 from .tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
 
@@ -701,7 +701,6 @@ class PrefixAttention:
             dtype=np.int32,
         )  # fmt: skip
         arrays = {n: getattr(host, n) for n in _DEVICE_ARRAYS} | {"counts": counts}
-        arrays["partial_merge"] = partial_merge_rows(host, acc["num_partials"])
         if positions_of is not None:
             arrays["kv_pages"] = positions_of(host)
         dev = self.device
@@ -752,7 +751,6 @@ class PrefixAttention:
             device=dev,
             **device_arrays,
             counts=views["counts"],
-            partial_merge=views["partial_merge"],
             host=host,
             forest=forest,
             num_finished=num_finished,
@@ -1092,7 +1090,7 @@ def _buffer_sizes(w: int, p: int, s: int, t: int) -> dict[str, int]:
     return dict(
         kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
         q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
-        merge_partials=s, counts=COUNTS_LEN, partial_merge=4 * s,
+        merge_partials=s, counts=COUNTS_LEN,
     )  # fmt: skip
 
 

@@ -61,9 +61,7 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # warm-up of the plan's arrays and q (``PREFIXATTN_WARM_L2=0``), "sync_full" keeps two tiles
 # in flight in the ``wgmma`` producer (``PREFIXATTN_WGMMA_ASYNC_FULL=0``), "global_pages" has
 # that producer read every page id from global memory instead of staging each pair's in
-# shared memory (``PREFIXATTN_WGMMA_SMEM_PAGES=0``), "merge_launch" leaves the merged tokens
-# the leaf launch does not finish to the merge launch instead of the forward launches
-# (``PREFIXATTN_FORWARD_MERGE=0``).
+# shared memory (``PREFIXATTN_WGMMA_SMEM_PAGES=0``).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -89,7 +87,6 @@ ABLATIONS: dict[str, Variant] = {
     "cold_plan": MAIN,
     "sync_full": MAIN,
     "global_pages": MAIN,
-    "merge_launch": MAIN,
 }
 # The ablations that run the default plan with one of the CUDA launcher's switches set to "0"
 # around each call (see above).
@@ -101,7 +98,6 @@ ENV_ABLATIONS = {
     "cold_plan": "PREFIXATTN_WARM_L2",
     "sync_full": "PREFIXATTN_WGMMA_ASYNC_FULL",
     "global_pages": "PREFIXATTN_WGMMA_SMEM_PAGES",
-    "merge_launch": "PREFIXATTN_FORWARD_MERGE",
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 

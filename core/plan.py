@@ -199,10 +199,6 @@ class LaunchPlan:
     narrow: bool = False
     """The plan took the tile table's narrow alternative (``TileTable.narrow``: no 128-row
     tiles), which moved at most ``TileTable.narrow_traffic`` times the bytes."""
-    partial_merge: torch.Tensor | None = None
-    """int32 [num_partials * 4] on ``device`` (:func:`partial_merge_rows`): per partial row its
-    merged token, that token's rows in ``merge_partials`` and its output row, so the CUDA
-    forward launches merge the tokens themselves; None: the merge launch merges them."""
 
     @property
     def total_bytes(self) -> int:
@@ -222,32 +218,3 @@ class LaunchPlan:
             f"(distinct kv {self.distinct_kv_bytes / 1e6:.2f}MB, "
             f"query-centric {self.query_centric_kv_bytes / 1e6:.2f}MB)"
         )
-
-
-def partial_merge_rows(host: PlanArrays, num_partials: int) -> np.ndarray:
-    """Per partial row, what the forward launches need to merge its token themselves.
-
-    int32 [num_partials, 4], flattened: the index ``m`` of the row's token in
-    ``merge_tokens``, that token's rows ``merge_partials[begin:end]`` (``begin``, ``end``),
-    and its output row ``merge_tokens[m]``; ``[-1, 0, 0, -1]`` for a row no token lists. The
-    CUDA kernels count each (token, query head)'s rows as they are written, and the last one
-    merges them (docs/kernel-notes.md, v63).
-
-    Worked example: ``merge_tokens`` [6, 5], ``merge_indptr`` [0, 2, 4], ``merge_partials``
-    [5, 6, 3, 4] -> rows 0-2 unlisted, row 3 ``[1, 2, 4, 5]``, row 4 ``[1, 2, 4, 5]``,
-    row 5 ``[0, 0, 2, 6]``, row 6 ``[0, 0, 2, 6]``.
-    """
-    out = np.tile(np.array([-1, 0, 0, -1], dtype=np.int32), (max(num_partials, 0), 1))
-    indptr = host.merge_indptr.astype(np.int64)
-    m = np.repeat(np.arange(len(host.merge_tokens), dtype=np.int32), np.diff(indptr))
-    rows = host.merge_partials
-    if len(rows) and (rows.min() < 0 or rows.max() >= num_partials):
-        raise ValueError(
-            f"merge_partials lists rows outside [0, {num_partials}): "
-            f"{int(rows.min())}..{int(rows.max())}"
-        )
-    out[rows, 0] = m
-    out[rows, 1] = indptr[m]
-    out[rows, 2] = indptr[m + 1]
-    out[rows, 3] = host.merge_tokens[m]
-    return out.reshape(-1)

@@ -195,13 +195,3 @@ def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
         parts = h.merge_partials[h.merge_indptr[i] : h.merge_indptr[i + 1]]
         mine = owners[h.q_tokens[owners] == t]
         np.testing.assert_array_equal(np.sort(parts), np.sort(dec[mine]))
-    # The forward launches' merge rows: every partial row names its token, that token's rows
-    # and its output row (the kernels count a token's arrivals up to end - begin).
-    pm = plan.partial_merge.cpu().numpy().reshape(-1, 4)
-    assert pm.shape[0] == plan.num_partials
-    m = pm[dec[~direct], 0]
-    assert (m >= 0).all() and (m < m_count).all()
-    np.testing.assert_array_equal(pm[dec[~direct], 3], h.q_tokens[~direct])
-    np.testing.assert_array_equal(h.merge_tokens[m], h.q_tokens[~direct])
-    np.testing.assert_array_equal(pm[dec[~direct], 1], h.merge_indptr[m])
-    np.testing.assert_array_equal(pm[dec[~direct], 2], h.merge_indptr[m + 1])

@@ -547,20 +547,3 @@ def test_leaf_max_rows() -> None:
     table, lens = tree_batch("1,10_4096,416", 16)
     plan = PrefixAttention(32, 8, 128, 16).plan(table, lens)
     assert all(m > 16 for m, _ in plan.tiles) and plan.leaf_max_rows == plan.leaf_tiles == 0
-
-
-def test_partial_merge_rows_worked_example() -> None:
-    from prefixattn.plan import PlanArrays, partial_merge_rows
-
-    empty = np.zeros(0, np.int32)
-    host = PlanArrays(
-        *([empty] * 10),
-        merge_tokens=np.array([6, 5], np.int32),
-        merge_indptr=np.array([0, 2, 4], np.int32),
-        merge_partials=np.array([5, 6, 3, 4], np.int32),
-    )
-    rows = partial_merge_rows(host, 7).reshape(-1, 4)
-    expected = [[-1, 0, 0, -1]] * 3 + [[1, 2, 4, 5]] * 2 + [[0, 0, 2, 6]] * 2
-    np.testing.assert_array_equal(rows, np.array(expected, np.int32))
-    with pytest.raises(ValueError, match="outside"):
-        partial_merge_rows(host, 6)

@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <utility>
 
 #include "prefixattn/decode_kernels.cuh"
@@ -182,9 +181,6 @@ bool async_full_enabled() { return switch_on("PREFIXATTN_WGMMA_ASYNC_FULL"); }
 // The wgmma producer stages each pair's page ids in shared memory
 // (ForwardParams::smem_pages) unless PREFIXATTN_WGMMA_SMEM_PAGES is "0".
 bool smem_pages_enabled() { return switch_on("PREFIXATTN_WGMMA_SMEM_PAGES"); }
-// The forward launches merge the merged tokens (ForwardParams::partial_merge) instead of the
-// merge launch, unless PREFIXATTN_FORWARD_MERGE is "0".
-bool forward_merge_enabled() { return switch_on("PREFIXATTN_FORWARD_MERGE"); }
 
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
@@ -303,9 +299,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
                    bool concurrent, int64_t fixed_variants, bool chained, int64_t num_finished,
-                   bool finish, int64_t leaf_max_rows, int64_t leaf_tiles,
-                   const std::optional<at::Tensor>& partial_merge,
-                   const std::optional<at::Tensor>& merge_count) {
+                   bool finish, int64_t leaf_max_rows, int64_t leaf_tiles) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -412,24 +406,6 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                             : (q.size(0) - 1) * q.stride(0) + (q.size(1) - 1) * q.stride(1) + q.size(2);
     warm_range(p.warm, r++, q.data_ptr(), q_elems * q.element_size(), kWarmQCap);
   }
-  // The merge inside the forward launches: with the plan's partial_merge rows and the
-  // workspace's counters, head_dim <= 128 (the tensor-core kernels), unless switched off.
-  const bool fwd_merge = partial_merge.has_value() && merge_count.has_value() && D <= 128 &&
-                         forward_merge_enabled();
-  if (fwd_merge) {
-    check_index(*partial_merge, "partial_merge");
-    TORCH_CHECK(merge_count->is_cuda() && merge_count->scalar_type() == at::kInt &&
-                    merge_count->is_contiguous() && merge_count->get_device() == q.get_device(),
-                "prefixattn: merge_count must be a contiguous int32 tensor on q's device");
-    TORCH_CHECK(partial_merge->numel() % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(partial_merge->data_ptr()) % 16 == 0,
-                "prefixattn: partial_merge must hold 4 int32 per partial row, 16-byte aligned");
-    TORCH_CHECK(merge_count->numel() >= partial_lse.numel(),
-                "prefixattn: merge_count must have an entry per partial_lse entry (",
-                partial_lse.numel(), "), got ", merge_count->numel());
-    p.partial_merge = reinterpret_cast<const int4*>(partial_merge->data_ptr<int32_t>());
-    p.merge_count = reinterpret_cast<uint32_t*>(merge_count->data_ptr<int32_t>());
-  }
   p.async_full = async_full_enabled() ? 1 : 0;
   p.smem_pages = smem_pages_enabled() ? 1 : 0;
   p.page_size = page_size;
@@ -500,8 +476,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                           leaf_tiles <= static_cast<int64_t>(kLeafShortTiles) * variant_items[0];
   const int leaf_form = short_leaf ? kLeafShort : narrow_leaf ? kLeafNarrow : kLeafGeneral;
   const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
-  const bool merge_runs =
-      !fwd_merge && (fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0);
+  const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
   for (int i = 0; i < num_launches; ++i) {
     const int v = launches[i];
     p.variant = v;

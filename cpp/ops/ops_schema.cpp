@@ -18,10 +18,6 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // leaf_max_rows: the most query rows of an item of the 16-row tile group (-1: not known);
   // at most 8 lets the leaf launch run the leaf kernel's narrower form. leaf_tiles: the
   // 16-token tiles of those items, summed (-1: not known); short items take a third form.
-  // partial_merge (4 int32 per partial row: merged token index, its rows' range in
-  // merge_partials, output token) and merge_count (int32 counters, one per partial_lse entry,
-  // zero between calls): the forward launches merge the merged tokens and no merge launch runs
-  // (head_dim <= 128, unless PREFIXATTN_FORWARD_MERGE=0).
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
@@ -30,6 +26,5 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
       "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
       "int fixed_variants=-1, bool chained=False, int num_finished=0, bool finish=False, "
-      "int leaf_max_rows=-1, int leaf_tiles=-1, Tensor? partial_merge=None, "
-      "Tensor(d!)? merge_count=None) -> ()");
+      "int leaf_max_rows=-1, int leaf_tiles=-1) -> ()");
 }

@@ -489,59 +489,6 @@ def test_leaf_launch_finishes_merged_tokens(mode, monkeypatch):
         assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{mode}: ")
 
 
-@pytest.mark.parametrize(
-    "spec, heads, d, ps, layout, dtype, qlen, mode",
-    [
-        ("1,10_4096,416", (32, 8), 128, 16, "NHD", torch.bfloat16, 1, "default"),
-        ("1,10_4096,416", (16, 8), 128, 1, "HND", torch.float16, 1, "default"),
-        ("1,1024_2048,32", (32, 8), 128, 16, "NHD", torch.bfloat16, 1, "default"),
-        ("1,4,16,512_1024,256,128,32", (64, 8), 128, 16, "NHD", torch.bfloat16, 1, "default"),
-        ("1,4,16,512_1024,256,128,32", (32, 8), 128, 16, "NHD", torch.bfloat16, 1, "merge_all"),
-        ("1,256_256,32", (32, 8), 128, 16, "NHD", torch.bfloat16, 1, "concurrent"),
-        ("1,8,32_700,300,50", (32, 4), 64, 16, "NHD", torch.float16, 3, "default"),
-        ("1,8,32_700,300,50", (24, 2), 128, 24, "HND", torch.bfloat16, 3, "fixed"),
-        ("1,64_64,2048", (32, 8), 128, 16, "NHD", torch.bfloat16, 1, "tile16"),
-    ],
-)
-def test_forward_merge_matches_merge_launch(spec, heads, d, ps, layout, dtype, qlen, mode,
-                                            monkeypatch):  # fmt: skip
-    """The forward launches merge the merged tokens (the last writer of a (token, head)'s
-    partial rows merges them) unless PREFIXATTN_FORWARD_MERGE=0 (the merge launch). One
-    workspace for all runs, partial rows and output poisoned before each: a merge that read
-    a row before it was written, or a token never merged, writes NaN; counters left above zero
-    would leave the next run's tokens unmerged. Two forward-merge runs give the same bits
-    whichever block arrives last; both ways match the reference, and every counter is back to
-    zero after each run."""
-    if mode == "tile16":
-        monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", "0")
-    hq, hkv = heads
-    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, False,
-                                                  qlen, 11)  # fmt: skip
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
-    pa.one_launch_in_one_wave = mode != "merge_all"
-    plan = pa.plan(table, lens, qo_indptr)
-    assert plan.num_merge_tokens > plan.num_finished, plan.summary()
-    ws = _ops.Workspace(DEV, dtype)
-    ws.reserve(plan.num_partials, hq, d, dtype)
-    scale = 1.0 / math.sqrt(d)
-    outs = []
-    for value in ("1", "1", "0", "1"):
-        monkeypatch.setenv("PREFIXATTN_FORWARD_MERGE", value)
-        ws.partial_o.fill_(float("nan"))
-        ws.partial_lse.fill_(float("nan"))
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(plan, q, k, v, out, scale, ws, chained=True,
-                           finish=mode != "merge_all", concurrent=mode == "concurrent",
-                           fixed_grid=mode == "fixed")  # fmt: skip
-        outs.append(out)
-        assert not ws.merge_count.any(), f"FORWARD_MERGE={value}: counters left above zero"
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    for value, out in zip(("1", "1", "0", "1"), outs, strict=True):
-        assert not torch.isnan(out).any(), f"FORWARD_MERGE={value}: unmerged or early-read rows"
-        assert_close_to_reference(out, ref, dtype, plan, f"FORWARD_MERGE={value}: ")
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3])
-
-
 @pytest.mark.parametrize("split_kv", [False, True])
 def test_long_kv(split_kv):
     # One 4097-token request next to short ones: the split path and many KV tiles.

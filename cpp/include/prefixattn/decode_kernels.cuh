@@ -89,14 +89,6 @@ struct ForwardParams {
   const int32_t* q_out;
   const int32_t* merge_partials;
   const int32_t* counts;  // kCountsLen entries (layout above)
-  // The merge inside the forward launches (forward_merge_rows), or nullptr: the merge launch
-  // merges. Per partial row: its merged token's index m in merge_tokens, that token's range
-  // merge_indptr[m] .. merge_indptr[m + 1] in merge_partials, and its output row
-  // merge_tokens[m] (m = -1: a row no token lists).
-  const int4* partial_merge;
-  // [num_merge_tokens x num_qo_heads] arrivals of partial rows per (merged token, query head):
-  // zero between calls (the last arrival sets its counter back to zero).
-  uint32_t* merge_count;
   int64_t q_stride_t, q_stride_h;
   int64_t o_stride_t, o_stride_h;
   int64_t k_stride_page, k_stride_tok, k_stride_head;
@@ -1056,106 +1048,6 @@ __device__ __forceinline__ void load_q_frags(const ForwardParams& p, const PairD
   }
 }
 
-// The merge inside the forward launches (ForwardParams::partial_merge). A partial row's
-// writers store it, fence, and then one lane per row adds 1 to the (merged token, query head)
-// counter; the arrival that brings it to the token's partial count (the last; atomicInc
-// wraps the counter back to 0 for the next call) merges that head of the token into the
-// output, reading every partial row of it (its own included) from the L2 in the plan's order,
-// so the result does not depend on which launch or block arrives last. The rows read were
-// written before their writers' arrivals, which their fences order before this thread's
-// atomic (the split-K "last block reduces" pattern).
-//
-// Lane layout (store_rows and the leaf kernel's epilogue alike): four lanes per row, lane l
-// holding dims 8 k + 2 (l % 4), + 1 for k < D / 8; lanes 4 j .. 4 j + 3 share a row.
-constexpr int kFwdMergeUnroll = 2;  // partial rows read at once by a merging row
-template <typename T, int D>
-__device__ __forceinline__ void merge_row(const ForwardParams& p, const int4& info, int head,
-                                          int t) {
-  constexpr int kK = D / 8;
-  const int hq = p.num_qo_heads;
-  const int begin = info.y, end = info.z;
-  float mx = -INFINITY;
-  for (int j = begin; j < end; j += kFwdMergeUnroll) {
-    float x[kFwdMergeUnroll];
-#pragma unroll
-    for (int u = 0; u < kFwdMergeUnroll; ++u)
-      x[u] = j + u < end ? __ldcg(p.partial_lse + static_cast<int64_t>(p.merge_partials[j + u]) * hq + head)
-                         : -INFINITY;
-#pragma unroll
-    for (int u = 0; u < kFwdMergeUnroll; ++u) mx = fmaxf(mx, x[u]);
-  }
-  float acc[2 * kK];
-#pragma unroll
-  for (int k = 0; k < 2 * kK; ++k) acc[k] = 0.f;
-  float sum = 0.f;
-  if (mx != -INFINITY) {
-    for (int j = begin; j < end; j += kFwdMergeUnroll) {
-      uint32_t v[kFwdMergeUnroll][kK];
-      float w[kFwdMergeUnroll];
-#pragma unroll
-      for (int u = 0; u < kFwdMergeUnroll; ++u) {
-        const bool ok = j + u < end;
-        const int64_t row = ok ? static_cast<int64_t>(p.merge_partials[j + u]) * hq + head : 0;
-        const float x = ok ? __ldcg(p.partial_lse + row) : -INFINITY;
-        w[u] = x == -INFINITY ? 0.f : __expf(x - mx);  // 0: that partial saw no key
-        const uint32_t* src =
-            reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.partial_o) + row * D + 2 * t);
-#pragma unroll
-        for (int k = 0; k < kK; ++k) v[u][k] = ok ? __ldcg(src + 4 * k) : 0u;
-      }
-#pragma unroll
-      for (int u = 0; u < kFwdMergeUnroll; ++u) {
-        sum += w[u];
-#pragma unroll
-        for (int k = 0; k < kK; ++k) {
-          const float2 f = Vec<T>::to_float2(v[u][k]);
-          acc[2 * k] += w[u] * f.x;
-          acc[2 * k + 1] += w[u] * f.y;
-        }
-      }
-    }
-  }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(info.w) * p.o_stride_t +
-           static_cast<int64_t>(head) * p.o_stride_h + 2 * t;
-#pragma unroll
-  for (int k = 0; k < kK; ++k)
-    *reinterpret_cast<uint32_t*>(out + 8 * k) = pack2<T>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
-}
-
-// Called by all 32 lanes of a warp once they have stored their rows: lane l's R rows go to
-// partial rows dst[i] (< 0: none) of query heads head[i]. No-op without partial_merge.
-template <typename T, int D, int R>
-__device__ __forceinline__ void forward_merge_rows(const ForwardParams& p, const int (&dst)[R],
-                                                   const int (&head)[R], int lane) {
-  if (p.partial_merge == nullptr) return;
-  const int open = p.counts[p.finish ? kCountMergeOpen : kCountMergeTokens];
-  int4 info[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) info[i] = dst[i] >= 0 ? p.partial_merge[dst[i]] : make_int4(-1, 0, 0, 0);
-  __threadfence();  // this lane's partial rows before any arrival
-  __syncwarp();
-  bool last[R];
-  bool any = false;
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    // Tokens past `open` are finished by the leaf launch (ForwardParams::finish).
-    const bool counted = info[i].x >= 0 && info[i].x < open;
-    const uint32_t n1 = static_cast<uint32_t>(info[i].z - info[i].y - 1);
-    uint32_t old = 0;
-    if (counted && (lane & 3) == 0)
-      old = atomicInc(p.merge_count + static_cast<int64_t>(info[i].x) * p.num_qo_heads + head[i], n1);
-    old = __shfl_sync(0xffffffffu, old, lane & ~3);
-    last[i] = counted && old == n1;
-    any |= last[i];
-  }
-  if (!any) return;
-  __threadfence();  // the other arrivals' rows after their counts
-#pragma unroll
-  for (int i = 0; i < R; ++i)
-    if (last[i]) merge_row<T, D>(p, info[i], head[i], lane & 3);
-}
-
 // Epilogue of one warp's 16 rows (r0 = 16 rb + lane / 4 and r0 + 8) in the tensor-core
 // kernels: o holds D / 2 accumulators (n8 block db at o[4 db .. 4 db + 3], rows r0 and r0 + 8
 // in its halves), m and l the rows' softmax state over the lane's keys (summed over the 4
@@ -1189,8 +1081,6 @@ __device__ __forceinline__ void store_rows(const ForwardParams& p, int lane, con
       p.partial_lse[static_cast<int64_t>(dst) * p.num_qo_heads + head] =
           l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
-  const int dsts[2] = {r0 < num_rows ? rs.dst[0] : -1, r0 + 8 < num_rows ? rs.dst[1] : -1};
-  forward_merge_rows<T, D, 2>(p, dsts, rs.head, lane);
 }
 }  // namespace detail
 

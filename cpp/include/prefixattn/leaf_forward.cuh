@@ -501,13 +501,6 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
             gl > 0.f ? (gm + log2f(gl)) * 0.69314718055994531f : -INFINITY;
     }
   }
-  int dsts[NC], heads[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    dsts[c] = rw(c).tok >= 0 ? rw(c).dst : -1;
-    heads[c] = rw(c).head;
-  }
-  forward_merge_rows<T, D, NC>(p, dsts, heads, lane);
 }
 
 }  // namespace detail
