@@ -61,7 +61,8 @@ HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 # warm-up of the plan's arrays and q (``PREFIXATTN_WARM_L2=0``), "sync_full" keeps two tiles
 # in flight in the ``wgmma`` producer (``PREFIXATTN_WGMMA_ASYNC_FULL=0``), "global_pages" has
 # that producer read every page id from global memory instead of staging each pair's in
-# shared memory (``PREFIXATTN_WGMMA_SMEM_PAGES=0``).
+# shared memory (``PREFIXATTN_WGMMA_SMEM_PAGES=0``), "keys64" has the 128-row ``wgmma``
+# launch's consumers take 64 keys per step instead of 128 (``PREFIXATTN_WGMMA_KEYS128=0``).
 Variant = tuple[str, bool, int | None, int, bool, bool]
 MAIN: Variant = ("memory", True, None, 0, False, False)
 ABLATIONS: dict[str, Variant] = {
@@ -87,6 +88,7 @@ ABLATIONS: dict[str, Variant] = {
     "cold_plan": MAIN,
     "sync_full": MAIN,
     "global_pages": MAIN,
+    "keys64": MAIN,
 }
 # The ablations that run the default plan with one of the CUDA launcher's switches set to "0"
 # around each call (see above).
@@ -98,6 +100,7 @@ ENV_ABLATIONS = {
     "cold_plan": "PREFIXATTN_WARM_L2",
     "sync_full": "PREFIXATTN_WGMMA_ASYNC_FULL",
     "global_pages": "PREFIXATTN_WGMMA_SMEM_PAGES",
+    "keys64": "PREFIXATTN_WGMMA_KEYS128",
 }
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 

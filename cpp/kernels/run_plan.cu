@@ -181,6 +181,9 @@ bool async_full_enabled() { return switch_on("PREFIXATTN_WGMMA_ASYNC_FULL"); }
 // The wgmma producer stages each pair's page ids in shared memory
 // (ForwardParams::smem_pages) unless PREFIXATTN_WGMMA_SMEM_PAGES is "0".
 bool smem_pages_enabled() { return switch_on("PREFIXATTN_WGMMA_SMEM_PAGES"); }
+// The 128-row `wgmma` launch's consumers take two 64-key stages (128 keys) per step unless
+// PREFIXATTN_WGMMA_KEYS128 is "0" (docs/kernel-notes.md v64).
+bool wgmma_keys128_enabled() { return switch_on("PREFIXATTN_WGMMA_KEYS128"); }
 
 // Variant v runs query tiles of kVariantRows[v] rows.
 constexpr int kVariantRows[kNumVariants] = {16, 32, 64, 128};
@@ -236,8 +239,13 @@ void launch_variant(const ForwardParams& p, int pairs, cudaStream_t stream, bool
         }
         return launch<forward_mma_kernel<T, D, 4, 1, S>>(128,
                             forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
-      default: return launch<forward_wgmma_kernel<T, D, 6>>(
-                            kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);
+      default:
+        // 128 keys per consumer step (two stages) unless PREFIXATTN_WGMMA_KEYS128 is "0".
+        if (wgmma_keys128_enabled())
+          return launch<forward_wgmma_kernel<T, D, 6, 2, 2>>(
+              kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);
+        return launch<forward_wgmma_kernel<T, D, 6>>(
+            kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);
     }
   } else {
     // CUDA cores (head_dim 256): 8 warps, ROWS_PER_WARP = rows / 8; at most 64 rows.

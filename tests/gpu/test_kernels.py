@@ -345,6 +345,39 @@ def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fix
                        qlen, 11, fixed_grid=fixed)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "spec, heads, d, ps, layout, dtype, qlen, fixed",
+    [
+        ("1,1024_2048,32", (64, 8), 128, 16, "NHD", torch.bfloat16, 1, False),
+        # a 700-token root: 11 tiles, so each pair's last step holds one
+        ("1,8,32_700,300,50", (32, 8), 128, 24, "HND", torch.float16, 3, True),
+        ("1,4,16,512_1024,256,128,32", (32, 8), 128, 1, "NHD", torch.bfloat16, 1, False),
+        ("1,64_1024,40", (64, 8), 64, 16, "NHD", torch.bfloat16, 2, False),
+        ("1,2,64_1024,256,256", (64, 4), 64, 16, "HND", torch.float16, 1, True),
+    ],
+)
+def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, fixed, monkeypatch):
+    """The 128-row `wgmma` launch's consumers take 128 keys per step unless
+    PREFIXATTN_WGMMA_KEYS128=0 (64): the same attention with a softmax state updated per 128
+    keys, so both match the reference (odd tile counts, causal runs, head_dim 64 and 128,
+    page sizes 1, 16 and 24, fixed grids)."""
+    hq, hkv = heads
+    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, False,
+                                                  qlen, 13)  # fmt: skip
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    assert any(m == 128 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    scale = 1.0 / math.sqrt(d)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_KEYS128", ("1", "0", "1"), plan, q,
+                             k, v, scale, chained=True, finish=pa.finish_in_leaf,
+                             fixed_grid=fixed)  # fmt: skip
+    assert torch.equal(outs[0], outs[2])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
+    for value, out in zip(("1", "0"), outs[:2], strict=True):
+        assert_close_to_reference(out, ref, dtype, plan, f"KEYS128={value}: ")
+
+
 WGMMA64_CASES = [
     # tree, heads, page size, layout, interleaved K|V, query tokens per request
     ("1,256_256,32", (32, 8), 16, "NHD", False, 1),

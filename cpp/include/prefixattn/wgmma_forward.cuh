@@ -211,21 +211,29 @@ constexpr int wgmma_threads() {
   return 128 * (1 + CWG);
 }
 constexpr int kWgmmaThreads = wgmma_threads<2>();
+template <int CWG, int KSTEP>
 constexpr int kWgmmaProducerRegs = 56;
-template <int CWG>
+template <int CWG, int KSTEP>
 constexpr int kWgmmaConsumerRegs = CWG == 2 ? 224 : 200;
 // How far (log2 units) a row's scores may rise above its running maximum before the `wgmma`
 // kernel moves the maximum and rescales O and l: probabilities stay below 2^8, well inside the
 // range of P's 16-bit type.
 constexpr float kRescaleSlack = 8.f;
 
-template <typename T, int D, int STAGES, int CWG = 2>
+template <typename T, int D, int STAGES, int CWG = 2, int KSTEP = 1>
 __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     forward_wgmma_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
-  static_assert(STAGES >= 3, "a consumer holds two stages while the producer fills the next");
+  static_assert(KSTEP == 1 || KSTEP == 2, "64 or 128 keys per consumer step");
+  static_assert(STAGES >= 2 * KSTEP + 1,
+                "a consumer holds two steps' stages while the producer fills the next");
+  constexpr int kKeys = KSTEP * kTileN;  // keys per consumer step
+  // With 64 keys per step the softmax of step t runs while P(t-1) V(t-1) is on the tensor
+  // cores; with 128 the registers do not hold P(t-1) beside S(t) (v64), so a step first runs
+  // P(t-1) V(t-1) to the end, then S(t), and the other consumer warpgroup fills the gaps.
+  constexpr bool kOverlapPV = KSTEP == 1;
   constexpr int kProducerThreads = 128;
   static_assert(CWG == 1 || CWG == 2, "one or two consumer warpgroups");
   constexpr int kConsumerWarps = 4 * CWG;
@@ -257,7 +265,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     // chunk tid % kChunks of keys tid / kChunks + i kLdStep into the swizzled layout (eight
     // consecutive threads fill one 128-byte row). Each thread's copies of a tile arrive on its
     // "full" barrier as they land (or, with async_full off, once the next tile is issued).
-    regs_dec<kWgmmaProducerRegs>();
+    regs_dec<kWgmmaProducerRegs<CWG, KSTEP>>();
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
     static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
@@ -317,7 +325,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
   }
 
   // ---- consumer warpgroups: warp cw owns rows 16 cw .. 16 cw + 15 of the pair's tile.
-  regs_inc<kWgmmaConsumerRegs<CWG>>();
+  regs_inc<kWgmmaConsumerRegs<CWG, KSTEP>>();
   const int cw = warp - 4;
   const int wg = cw >> 2;
   const int qc = 2 * (lane % 4);
@@ -360,50 +368,90 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
-    // Tile t: S(t) = Q K(t)^T is issued, then P(t-1) V(t-1), kept from the previous tile, so
-    // the softmax of tile t runs while the tensor cores do P(t-1) V(t-1); O is rescaled once
-    // that product has landed, and only then is the stage of tile t - 1 released. Every tile
-    // issues both products (the first one P = 0 against its own, landed, V), so no wgmma sits
-    // on a divergent path, which would make the compiler serialize them.
+    // A step takes KSTEP tiles (stages) of 64 keys: kKeys keys. Step t: S(t) = Q K(t)^T is
+    // issued, then P(t-1) V(t-1), kept from the previous step, so the softmax of step t runs
+    // while the tensor cores do P(t-1) V(t-1); O is rescaled once that product has landed,
+    // and only then are the stages of step t - 1 released. Every step issues both products
+    // (the first one P = 0 against its own, landed, V), so no wgmma sits on a divergent
+    // path, which would make the compiler serialize them. A pair's last step may hold one
+    // tile where KSTEP = 2: its second half then reads the first half's stage again, and its
+    // keys lie past the item's end (masked: P = 0 against finite V).
     // P(t-1) as A fragments: keys 16 kc .. are the n8 blocks 2 kc and 2 kc + 1.
-    uint32_t pa[kTileN / 16][4];
+    uint32_t pa[kKeys / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < kTileN / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
-    int pv_stage = stage;
+    for (int kc = 0; kc < kKeys / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
+    int pv_st[KSTEP];
+    int pv_n = 0;  // stages the pending P V reads (0 before the pair's first step)
+#pragma unroll
+    for (int h = 0; h < KSTEP; ++h) pv_st[h] = stage;
     auto issue_pv = [&]() {
-      const uint32_t st16 = static_cast<uint32_t>(pv_stage) * kStage16;
 #pragma unroll
-      for (int kc = 0; kc < kTileN / 16; ++kc)
-        Wgmma<T, D, 1>::run(o, pa[kc], vdesc.at(st16 + v_off(kc)), 1);
+      for (int kc = 0; kc < kKeys / 16; ++kc)
+        Wgmma<T, D, 1>::run(o, pa[kc],
+                            vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)), 1);
       wgmma_commit();
     };
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      mbar_wait(&full_bar[stage], phase);
+    for (int tile = 0; tile < num_tiles; tile += KSTEP) {
+      const int n_here = min(KSTEP, num_tiles - tile);  // uniform
+      if constexpr (!kOverlapPV) {
+        // P(t-1) V(t-1) first, landed and its stages released before S(t) is issued.
+        if (wg_active && pv_n > 0) {
+          wgmma_fence();
+          issue_pv();
+          wgmma_wait<0>();
+          pin_registers(o);
+#pragma unroll
+          for (int h = 0; h < KSTEP; ++h)
+            if (h < pv_n) release(pv_st[h]);
+          pv_n = 0;
+        }
+      }
+      int st[KSTEP];
+#pragma unroll
+      for (int h = 0; h < KSTEP; ++h) {
+        if (h < n_here) {
+          mbar_wait(&full_bar[stage], phase);
+          st[h] = stage;
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        } else {
+          st[h] = st[0];
+        }
+      }
       if (wg_active) {
         fence_proxy_async_smem();
         const int base = tile * kTileN;
-        float s[kTileN / 2];
-        const uint32_t st16 = static_cast<uint32_t>(stage) * kStage16;
+        float s[kKeys / 2];
         wgmma_fence();
 #pragma unroll
-        for (int kc = 0; kc < kKC; ++kc)
-          Wgmma<T, kTileN, 0>::run(s, qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
+        for (int h = 0; h < KSTEP; ++h) {
+          const uint32_t st16 = static_cast<uint32_t>(st[h]) * kStage16;
+#pragma unroll
+          for (int kc = 0; kc < kKC; ++kc)
+            Wgmma<T, kTileN, 0>::run(s + h * (kTileN / 2), qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
+        }
         wgmma_commit();
-        issue_pv();
-        wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
+        if constexpr (kOverlapPV) {
+          issue_pv();
+          wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
+        } else {
+          wgmma_wait<0>();
+        }
         pin_registers(s);
 
-        // Scores to log2 units. A tile where every key is visible to every row of the warp and
+        // Scores to log2 units. A step where every key is visible to every row of the warp and
         // the scale is positive keeps the raw scores: the maximum scales with them, and the
         // scale is folded into the exponent (one FFMA per score). Otherwise the scores are
         // scaled here, masked keys set to -inf, and the exponent's factor is 1.
         const int b0 = lim0 - base, b1 = lim1 - base;
         const bool fold =
-            __all_sync(0xffffffffu, min(b0, b1) >= kTileN) && p.scale_log2 > 0.f;
+            __all_sync(0xffffffffu, min(b0, b1) >= kKeys) && p.scale_log2 > 0.f;
         float sc = p.scale_log2;
         if (!fold) {
 #pragma unroll
-          for (int nb = 0; nb < kTileN / 8; ++nb) {
+          for (int nb = 0; nb < kKeys / 8; ++nb) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int key = nb * 8 + qc + e;
@@ -415,7 +463,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
         }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int nb = 0; nb < kTileN / 8; ++nb) {
+        for (int nb = 0; nb < kKeys / 8; ++nb) {
           mx0 = fmaxf(mx0, fmaxf(s[4 * nb], s[4 * nb + 1]));
           mx1 = fmaxf(mx1, fmaxf(s[4 * nb + 2], s[4 * nb + 3]));
         }
@@ -445,7 +493,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
         const float z0 = m0 == -INFINITY ? 0.f : m0, z1 = m1 == -INFINITY ? 0.f : m1;
         float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < kTileN / 8; ++nb) {
+        for (int nb = 0; nb < kKeys / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             s[4 * nb + e] = exp2f(fmaf(s[4 * nb + e], sc, -z0));
@@ -456,9 +504,11 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
         }
         l0 = l0 * al0 + ps0;
         l1 = l1 * al1 + ps1;
-        wgmma_wait<0>();
-        pin_registers(o);
-        if (tile > 0) release(pv_stage);  // P(t-1) V(t-1) was its last read
+        if constexpr (kOverlapPV) {
+          wgmma_wait<0>();
+          pin_registers(o);
+          if (pv_n > 0) release(pv_st[0]);  // P(t-1) V(t-1) was its last read
+        }
         if (grow) {
 #pragma unroll
           for (int db = 0; db < D / 8; ++db) {
@@ -469,19 +519,19 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
           }
         }
 #pragma unroll
-        for (int kc = 0; kc < kTileN / 16; ++kc) {
+        for (int kc = 0; kc < kKeys / 16; ++kc) {
           pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
           pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
           pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
           pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
         }
-        pv_stage = stage;
+#pragma unroll
+        for (int h = 0; h < KSTEP; ++h) pv_st[h] = st[h];
+        pv_n = n_here;
       } else {
-        release(stage);  // a warpgroup without rows reads nothing
-      }
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
+#pragma unroll
+        for (int h = 0; h < KSTEP; ++h)
+          if (h < n_here) release(st[h]);  // a warpgroup without rows reads nothing
       }
     }
     if (wg_active) {  // the pair's last P V
@@ -489,7 +539,9 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
       issue_pv();
       wgmma_wait<0>();
       pin_registers(o);
-      release(pv_stage);
+#pragma unroll
+      for (int h = 0; h < KSTEP; ++h)
+        if (h < pv_n) release(pv_st[h]);
     }
     if (has_next) nrs.load(p, nxt, r0);
 
