@@ -346,26 +346,32 @@ def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fix
 
 
 @pytest.mark.parametrize(
-    "spec, heads, d, ps, layout, dtype, qlen, fixed",
+    "spec, heads, d, ps, layout, dtype, qlen, fixed, unsplit",
     [
-        ("1,1024_2048,32", (64, 8), 128, 16, "NHD", torch.bfloat16, 1, False),
-        # a 700-token root: 11 tiles, so each pair's last step holds one
-        ("1,8,32_700,300,50", (32, 8), 128, 24, "HND", torch.float16, 3, True),
-        ("1,4,16,512_1024,256,128,32", (32, 8), 128, 1, "NHD", torch.bfloat16, 1, False),
-        ("1,64_1024,40", (64, 8), 64, 16, "NHD", torch.bfloat16, 2, False),
-        ("1,2,64_1024,256,256", (64, 4), 64, 16, "HND", torch.float16, 1, True),
+        ("1,1024_2048,32", (64, 8), 128, 16, "NHD", torch.bfloat16, 1, False, False),
+        # a 1040-token root: 17 tiles, so each pair's last step holds one
+        ("1,64_1040,40", (64, 8), 128, 24, "HND", torch.float16, 3, True, True),
+        ("1,4,16,512_1024,256,128,32", (32, 8), 128, 1, "NHD", torch.bfloat16, 1, False, False),
+        ("1,64_1040,40", (64, 8), 64, 16, "NHD", torch.bfloat16, 2, False, True),
+        ("1,2,64_1024,256,256", (64, 4), 64, 16, "HND", torch.float16, 1, True, True),
     ],
 )
-def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, fixed, monkeypatch):
-    """The 128-row `wgmma` launch's consumers take 128 keys per step unless
-    PREFIXATTN_WGMMA_KEYS128=0 (64): the same attention with a softmax state updated per 128
-    keys, so both match the reference (odd tile counts, causal runs, head_dim 64 and 128,
-    page sizes 1, 16 and 24, fixed grids)."""
+def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, fixed, unsplit,
+                                      monkeypatch):  # fmt: skip
+    """The 128-row `wgmma` launch's pairs of more than 64 rows and at least 16 tiles take 128
+    keys per consumer step unless PREFIXATTN_WGMMA_KEYS128=0 (64 keys): the same attention
+    with the softmax state updated per 128 keys, so both match the reference (odd tile
+    counts, causal runs, head_dim 64 and 128, page sizes 1, 16 and 24, fixed grids, plans
+    with their long items left unsplit)."""
     hq, hkv = heads
     table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, False,
                                                   qlen, 13)  # fmt: skip
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
+    if unsplit:
+        pa.split_target = 1  # no item is long against one pair's share of the KV
     plan = pa.plan(table, lens, qo_indptr)
+    long_items = plan.host.kv_len[plan.tile_indptr[-2] :] >= 16 * 64
+    assert long_items.any(), plan.summary()
     assert any(m == 128 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
                for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
     scale = 1.0 / math.sqrt(d)

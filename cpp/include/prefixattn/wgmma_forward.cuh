@@ -219,6 +219,15 @@ constexpr int kWgmmaConsumerRegs = CWG == 2 ? 224 : 200;
 // kernel moves the maximum and rescales O and l: probabilities stay below 2^8, well inside the
 // range of P's 16-bit type.
 constexpr float kRescaleSlack = 8.f;
+// Keys per consumer step of the `wgmma` kernel, as a type: WgmmaKeyStep<N>::value tiles of 64.
+template <int N>
+struct WgmmaKeyStep {
+  static constexpr int value = N;
+};
+// The least tiles of a pair (of more than 64 rows) that takes 128 keys per step where the
+// kernel has that form (KSTEP = 2): shorter pairs lose more to the serialized products than
+// they gain (docs/kernel-notes.md v64).
+constexpr int kWgmmaKeys128MinTiles = 16;
 
 template <typename T, int D, int STAGES, int CWG = 2, int KSTEP = 1>
 __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
@@ -226,14 +235,10 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
   using namespace detail;
   const ChainLink chain(p);
   static_assert(D == 64 || D == 128, "wgmma forward: head_dim 64 or 128");
+  // KSTEP = 2: pairs of more than 64 rows and at least kWgmmaKeys128MinTiles tiles take 128
+  // keys per consumer step (WgmmaKeyStep), the others 64.
   static_assert(KSTEP == 1 || KSTEP == 2, "64 or 128 keys per consumer step");
-  static_assert(STAGES >= 2 * KSTEP + 1,
-                "a consumer holds two steps' stages while the producer fills the next");
-  constexpr int kKeys = KSTEP * kTileN;  // keys per consumer step
-  // With 64 keys per step the softmax of step t runs while P(t-1) V(t-1) is on the tensor
-  // cores; with 128 the registers do not hold P(t-1) beside S(t) (v64), so a step first runs
-  // P(t-1) V(t-1) to the end, then S(t), and the other consumer warpgroup fills the gaps.
-  constexpr bool kOverlapPV = KSTEP == 1;
+  static_assert(STAGES >= 3, "a consumer holds two stages while the producer fills the next");
   constexpr int kProducerThreads = 128;
   static_assert(CWG == 1 || CWG == 2, "one or two consumer warpgroups");
   constexpr int kConsumerWarps = 4 * CWG;
@@ -368,181 +373,194 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
-    // A step takes KSTEP tiles (stages) of 64 keys: kKeys keys. Step t: S(t) = Q K(t)^T is
-    // issued, then P(t-1) V(t-1), kept from the previous step, so the softmax of step t runs
-    // while the tensor cores do P(t-1) V(t-1); O is rescaled once that product has landed,
-    // and only then are the stages of step t - 1 released. Every step issues both products
-    // (the first one P = 0 against its own, landed, V), so no wgmma sits on a divergent
-    // path, which would make the compiler serialize them. A pair's last step may hold one
-    // tile where KSTEP = 2: its second half then reads the first half's stage again, and its
-    // keys lie past the item's end (masked: P = 0 against finite V).
-    // P(t-1) as A fragments: keys 16 kc .. are the n8 blocks 2 kc and 2 kc + 1.
-    uint32_t pa[kKeys / 16][4];
+    // One pair's tiles, KS (1 or 2) tiles of 64 keys per step: kKeys keys. With 64 keys per
+    // step the softmax of step t runs while P(t-1) V(t-1) is on the tensor cores; with 128 the
+    // registers do not hold P(t-1) beside S(t) (v64), so a step first runs P(t-1) V(t-1) to
+    // the end, then S(t), and the other consumer warpgroup fills the gaps.
+    auto consume = [&](auto key_step) {
+      constexpr int KS = decltype(key_step)::value;
+      constexpr int kKeys = KS * kTileN;
+      constexpr bool kOverlapPV = KS == 1;
+      // A step takes KS tiles (stages) of 64 keys. Step t (KS = 1): S(t) = Q K(t)^T is
+      // issued, then P(t-1) V(t-1), kept from the previous step, so the softmax of step t runs
+      // while the tensor cores do P(t-1) V(t-1); O is rescaled once that product has landed,
+      // and only then are the stages of step t - 1 released. Every step issues both products
+      // (the first one P = 0 against its own, landed, V), so no wgmma sits on a divergent
+      // path, which would make the compiler serialize them. A pair's last step may hold one
+      // tile where KS = 2: its second half then reads the first half's stage again, and its
+      // keys lie past the item's end (masked: P = 0 against finite V).
+      // P(t-1) as A fragments: keys 16 kc .. are the n8 blocks 2 kc and 2 kc + 1.
+      uint32_t pa[kKeys / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < kKeys / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
-    int pv_st[KSTEP];
-    int pv_n = 0;  // stages the pending P V reads (0 before the pair's first step)
+      for (int kc = 0; kc < kKeys / 16; ++kc) pa[kc][0] = pa[kc][1] = pa[kc][2] = pa[kc][3] = 0u;
+      int pv_st[KS];
+      int pv_n = 0;  // stages the pending P V reads (0 before the pair's first step)
 #pragma unroll
-    for (int h = 0; h < KSTEP; ++h) pv_st[h] = stage;
-    auto issue_pv = [&]() {
+      for (int h = 0; h < KS; ++h) pv_st[h] = stage;
+      auto issue_pv = [&]() {
 #pragma unroll
-      for (int kc = 0; kc < kKeys / 16; ++kc)
-        Wgmma<T, D, 1>::run(o, pa[kc],
-                            vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)), 1);
-      wgmma_commit();
-    };
-    for (int tile = 0; tile < num_tiles; tile += KSTEP) {
-      const int n_here = min(KSTEP, num_tiles - tile);  // uniform
-      if constexpr (!kOverlapPV) {
-        // P(t-1) V(t-1) first, landed and its stages released before S(t) is issued.
-        if (wg_active && pv_n > 0) {
-          wgmma_fence();
-          issue_pv();
-          wgmma_wait<0>();
-          pin_registers(o);
-#pragma unroll
-          for (int h = 0; h < KSTEP; ++h)
-            if (h < pv_n) release(pv_st[h]);
-          pv_n = 0;
-        }
-      }
-      int st[KSTEP];
-#pragma unroll
-      for (int h = 0; h < KSTEP; ++h) {
-        if (h < n_here) {
-          mbar_wait(&full_bar[stage], phase);
-          st[h] = stage;
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
-        } else {
-          st[h] = st[0];
-        }
-      }
-      if (wg_active) {
-        fence_proxy_async_smem();
-        const int base = tile * kTileN;
-        float s[kKeys / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int h = 0; h < KSTEP; ++h) {
-          const uint32_t st16 = static_cast<uint32_t>(st[h]) * kStage16;
-#pragma unroll
-          for (int kc = 0; kc < kKC; ++kc)
-            Wgmma<T, kTileN, 0>::run(s + h * (kTileN / 2), qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
-        }
+        for (int kc = 0; kc < kKeys / 16; ++kc)
+          Wgmma<T, D, 1>::run(o, pa[kc],
+                              vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)), 1);
         wgmma_commit();
-        if constexpr (kOverlapPV) {
-          issue_pv();
-          wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
-        } else {
-          wgmma_wait<0>();
+      };
+      for (int tile = 0; tile < num_tiles; tile += KS) {
+        const int n_here = min(KS, num_tiles - tile);  // uniform
+        if constexpr (!kOverlapPV) {
+          // P(t-1) V(t-1) first, landed and its stages released before S(t) is issued.
+          if (wg_active && pv_n > 0) {
+            wgmma_fence();
+            issue_pv();
+            wgmma_wait<0>();
+            pin_registers(o);
+#pragma unroll
+            for (int h = 0; h < KS; ++h)
+              if (h < pv_n) release(pv_st[h]);
+            pv_n = 0;
+          }
         }
-        pin_registers(s);
+        int st[KS];
+#pragma unroll
+        for (int h = 0; h < KS; ++h) {
+          if (h < n_here) {
+            mbar_wait(&full_bar[stage], phase);
+            st[h] = stage;
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
+            }
+          } else {
+            st[h] = st[0];
+          }
+        }
+        if (wg_active) {
+          fence_proxy_async_smem();
+          const int base = tile * kTileN;
+          float s[kKeys / 2];
+          wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < KS; ++h) {
+            const uint32_t st16 = static_cast<uint32_t>(st[h]) * kStage16;
+#pragma unroll
+            for (int kc = 0; kc < kKC; ++kc)
+              Wgmma<T, kTileN, 0>::run(s + h * (kTileN / 2), qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
+          }
+          wgmma_commit();
+          if constexpr (kOverlapPV) {
+            issue_pv();
+            wgmma_wait<1>();  // S(t) has landed; P(t-1) V(t-1) may still run
+          } else {
+            wgmma_wait<0>();
+          }
+          pin_registers(s);
 
-        // Scores to log2 units. A step where every key is visible to every row of the warp and
-        // the scale is positive keeps the raw scores: the maximum scales with them, and the
-        // scale is folded into the exponent (one FFMA per score). Otherwise the scores are
-        // scaled here, masked keys set to -inf, and the exponent's factor is 1.
-        const int b0 = lim0 - base, b1 = lim1 - base;
-        const bool fold =
-            __all_sync(0xffffffffu, min(b0, b1) >= kKeys) && p.scale_log2 > 0.f;
-        float sc = p.scale_log2;
-        if (!fold) {
+          // Scores to log2 units. A step where every key is visible to every row of the warp and
+          // the scale is positive keeps the raw scores: the maximum scales with them, and the
+          // scale is folded into the exponent (one FFMA per score). Otherwise the scores are
+          // scaled here, masked keys set to -inf, and the exponent's factor is 1.
+          const int b0 = lim0 - base, b1 = lim1 - base;
+          const bool fold =
+              __all_sync(0xffffffffu, min(b0, b1) >= kKeys) && p.scale_log2 > 0.f;
+          float sc = p.scale_log2;
+          if (!fold) {
+#pragma unroll
+            for (int nb = 0; nb < kKeys / 8; ++nb) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int key = nb * 8 + qc + e;
+                s[4 * nb + e] = key < b0 ? s[4 * nb + e] * sc : -INFINITY;
+                s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * sc : -INFINITY;
+              }
+            }
+            sc = 1.f;
+          }
+          float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+          for (int nb = 0; nb < kKeys / 8; ++nb) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * nb], s[4 * nb + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * nb + 2], s[4 * nb + 3]));
+          }
+#pragma unroll
+          for (int off = 1; off <= 2; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+          }
+          mx0 *= sc;  // sc > 0 here; -inf stays -inf
+          mx1 *= sc;
+          // The running maximum m moves only when some row of the warp would see a score more
+          // than kRescaleSlack above it (log2 units), and then to the exact maximum; otherwise
+          // the probabilities exp2(score - m) stay below 2^kRescaleSlack and neither O nor l is
+          // rescaled (the final 1 / l and the log-sum-exp m + log2(l) are the same either way).
+          const bool grow =
+              __any_sync(0xffffffffu, mx0 > m0 + kRescaleSlack || mx1 > m1 + kRescaleSlack);
+          float al0 = 1.f, al1 = 1.f;
+          if (grow) {
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            // A row with no visible key so far keeps m = -inf.
+            al0 = exp2f(m0 - (n0 == -INFINITY ? 0.f : n0));
+            al1 = exp2f(m1 - (n1 == -INFINITY ? 0.f : n1));
+            m0 = n0;
+            m1 = n1;
+          }
+          // Its probabilities are then exp2(-inf) = 0.
+          const float z0 = m0 == -INFINITY ? 0.f : m0, z1 = m1 == -INFINITY ? 0.f : m1;
+          float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
           for (int nb = 0; nb < kKeys / 8; ++nb) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int key = nb * 8 + qc + e;
-              s[4 * nb + e] = key < b0 ? s[4 * nb + e] * sc : -INFINITY;
-              s[4 * nb + 2 + e] = key < b1 ? s[4 * nb + 2 + e] * sc : -INFINITY;
+              s[4 * nb + e] = exp2f(fmaf(s[4 * nb + e], sc, -z0));
+              s[4 * nb + 2 + e] = exp2f(fmaf(s[4 * nb + 2 + e], sc, -z1));
+              ps0 += s[4 * nb + e];
+              ps1 += s[4 * nb + 2 + e];
             }
           }
-          sc = 1.f;
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < kKeys / 8; ++nb) {
-          mx0 = fmaxf(mx0, fmaxf(s[4 * nb], s[4 * nb + 1]));
-          mx1 = fmaxf(mx1, fmaxf(s[4 * nb + 2], s[4 * nb + 3]));
-        }
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-        }
-        mx0 *= sc;  // sc > 0 here; -inf stays -inf
-        mx1 *= sc;
-        // The running maximum m moves only when some row of the warp would see a score more
-        // than kRescaleSlack above it (log2 units), and then to the exact maximum; otherwise
-        // the probabilities exp2(score - m) stay below 2^kRescaleSlack and neither O nor l is
-        // rescaled (the final 1 / l and the log-sum-exp m + log2(l) are the same either way).
-        const bool grow =
-            __any_sync(0xffffffffu, mx0 > m0 + kRescaleSlack || mx1 > m1 + kRescaleSlack);
-        float al0 = 1.f, al1 = 1.f;
-        if (grow) {
-          const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-          // A row with no visible key so far keeps m = -inf.
-          al0 = exp2f(m0 - (n0 == -INFINITY ? 0.f : n0));
-          al1 = exp2f(m1 - (n1 == -INFINITY ? 0.f : n1));
-          m0 = n0;
-          m1 = n1;
-        }
-        // Its probabilities are then exp2(-inf) = 0.
-        const float z0 = m0 == -INFINITY ? 0.f : m0, z1 = m1 == -INFINITY ? 0.f : m1;
-        float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < kKeys / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            s[4 * nb + e] = exp2f(fmaf(s[4 * nb + e], sc, -z0));
-            s[4 * nb + 2 + e] = exp2f(fmaf(s[4 * nb + 2 + e], sc, -z1));
-            ps0 += s[4 * nb + e];
-            ps1 += s[4 * nb + 2 + e];
+          l0 = l0 * al0 + ps0;
+          l1 = l1 * al1 + ps1;
+          if constexpr (kOverlapPV) {
+            wgmma_wait<0>();
+            pin_registers(o);
+            if (pv_n > 0) release(pv_st[0]);  // P(t-1) V(t-1) was its last read
           }
-        }
-        l0 = l0 * al0 + ps0;
-        l1 = l1 * al1 + ps1;
-        if constexpr (kOverlapPV) {
-          wgmma_wait<0>();
-          pin_registers(o);
-          if (pv_n > 0) release(pv_st[0]);  // P(t-1) V(t-1) was its last read
-        }
-        if (grow) {
+          if (grow) {
 #pragma unroll
-          for (int db = 0; db < D / 8; ++db) {
-            o[4 * db + 0] *= al0;
-            o[4 * db + 1] *= al0;
-            o[4 * db + 2] *= al1;
-            o[4 * db + 3] *= al1;
+            for (int db = 0; db < D / 8; ++db) {
+              o[4 * db + 0] *= al0;
+              o[4 * db + 1] *= al0;
+              o[4 * db + 2] *= al1;
+              o[4 * db + 3] *= al1;
+            }
           }
+#pragma unroll
+          for (int kc = 0; kc < kKeys / 16; ++kc) {
+            pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
+            pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
+            pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
+            pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
+          }
+#pragma unroll
+          for (int h = 0; h < KS; ++h) pv_st[h] = st[h];
+          pv_n = n_here;
+        } else {
+#pragma unroll
+          for (int h = 0; h < KS; ++h)
+            if (h < n_here) release(st[h]);  // a warpgroup without rows reads nothing
         }
-#pragma unroll
-        for (int kc = 0; kc < kKeys / 16; ++kc) {
-          pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
-          pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
-          pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
-          pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
-        }
-#pragma unroll
-        for (int h = 0; h < KSTEP; ++h) pv_st[h] = st[h];
-        pv_n = n_here;
-      } else {
-#pragma unroll
-        for (int h = 0; h < KSTEP; ++h)
-          if (h < n_here) release(st[h]);  // a warpgroup without rows reads nothing
       }
-    }
-    if (wg_active) {  // the pair's last P V
-      wgmma_fence();
-      issue_pv();
-      wgmma_wait<0>();
-      pin_registers(o);
+      if (wg_active) {  // the pair's last P V
+        wgmma_fence();
+        issue_pv();
+        wgmma_wait<0>();
+        pin_registers(o);
 #pragma unroll
-      for (int h = 0; h < KSTEP; ++h)
-        if (h < pv_n) release(pv_st[h]);
-    }
+        for (int h = 0; h < KS; ++h)
+          if (h < pv_n) release(pv_st[h]);
+      }
+    };
+    if (KSTEP == 2 && num_rows > 64 && num_tiles >= kWgmmaKeys128MinTiles)  // uniform
+      consume(WgmmaKeyStep<KSTEP>{});
+    else
+      consume(WgmmaKeyStep<1>{});
     if (has_next) nrs.load(p, nxt, r0);
 
     if (cw * 16 < num_rows)
