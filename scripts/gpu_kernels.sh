@@ -24,7 +24,7 @@ for step in $steps; do
         --maxfail=10 -p no:cacheprovider 2>&1 | tee "$OUT/test.log" | tail -15 ;;
     memcheck)
       timeout 400 compute-sanitizer --tool memcheck python3 -m pytest tests/gpu -q -x \
-        -p no:cacheprovider -k "long_kv or page1 or graph or root_tiles or merge_many or leaf_kernel or finishes or wgmma64 or smem_pages or (random_forest and memory and 1-5)" \
+        -p no:cacheprovider -k "long_kv or page1 or graph or root_tiles or merge_many or leaf_kernel or finishes or wgmma64 or smem_pages or keys128 or (random_forest and memory and 1-5)" \
         2>&1 | tee "$OUT/memcheck.log" | tail -5 ;;
     bench)
       timeout 560 python3 benchmarks/bench_attention.py --iters 15 --ablations \
