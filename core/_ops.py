@@ -103,6 +103,7 @@ def run_plan_cuda(
     fixed_variants: int = -1,
     chained: bool = False,
     finish: bool = True,
+    host_counts: bool | None = None,
 ) -> None:
     """Execute ``plan`` on CUDA tensors, writing ``out`` in place.
 
@@ -113,6 +114,11 @@ def run_plan_cuda(
     tokens (always with serial groups and the leaf kernel under a fixed grid, so a captured
     graph runs any plan either way); False, or concurrent groups, or
     ``PREFIXATTN_LEAF_KERNEL=0``: the merge launch takes every merged token.
+    ``host_counts``: the plan's device ``counts`` hold what its host fields say, so launches
+    that are not fixed grids take their item ranges from the host (one dependent load less
+    as each block starts); default: unless the plan is hinted (its device check may zero
+    them). Pass False for a plan whose counts are zeroed on the device (a hinted plan's
+    fallback).
     """
     if not _load():
         raise RuntimeError("prefixattn: the compiled library (_C) is not available")
@@ -157,4 +163,5 @@ def run_plan_cuda(
         bool(finish),
         int(plan.leaf_max_rows),
         int(plan.leaf_tiles),
+        plan.fallback_taken is None if host_counts is None else bool(host_counts),
     )

@@ -822,7 +822,7 @@ class PrefixAttention:
                         fallback, q, k_cache, v_cache, out, scale, self._workspace,
                         prefetch_tiles=self.prefetch_tiles, fixed_grid=self.fixed_grid,
                         fixed_variants=self._guard.variants, chained=self.chain_launches,
-                        finish=self.finish_in_leaf,
+                        finish=self.finish_in_leaf, host_counts=False,
                     )  # fmt: skip
                 return out
         if plan.fallback is not None and plan.fallback_taken is not None and plan.fallback_taken:

@@ -181,6 +181,9 @@ bool async_full_enabled() { return switch_on("PREFIXATTN_WGMMA_ASYNC_FULL"); }
 // The wgmma producer stages each pair's page ids in shared memory
 // (ForwardParams::smem_pages) unless PREFIXATTN_WGMMA_SMEM_PAGES is "0".
 bool smem_pages_enabled() { return switch_on("PREFIXATTN_WGMMA_SMEM_PAGES"); }
+// Forward launches take their item range from the host (ForwardParams::host_range) where the
+// caller allows it, unless PREFIXATTN_HOST_RANGE is "0".
+bool host_range_enabled() { return switch_on("PREFIXATTN_HOST_RANGE"); }
 // The 128-row `wgmma` launch's consumers take two 64-key stages (128 keys) per step unless
 // PREFIXATTN_WGMMA_KEYS128 is "0" (docs/kernel-notes.md v64).
 bool wgmma_keys128_enabled() { return switch_on("PREFIXATTN_WGMMA_KEYS128"); }
@@ -307,7 +310,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    at::IntArrayRef tile_indptr, at::IntArrayRef tile_m, int64_t num_merge_tokens,
                    bool hnd, double scale, int64_t prefetch_tiles, bool fixed_grid,
                    bool concurrent, int64_t fixed_variants, bool chained, int64_t num_finished,
-                   bool finish, int64_t leaf_max_rows, int64_t leaf_tiles) {
+                   bool finish, int64_t leaf_max_rows, int64_t leaf_tiles, bool host_counts) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "prefixattn: q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "prefixattn: CUDA kernels support float16 and bfloat16, got ", q.scalar_type());
@@ -483,11 +486,19 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const bool short_leaf = narrow_leaf && leaf_tiles >= 0 &&
                           leaf_tiles <= static_cast<int64_t>(kLeafShortTiles) * variant_items[0];
   const int leaf_form = short_leaf ? kLeafShort : narrow_leaf ? kLeafNarrow : kLeafGeneral;
+  // Launch bounds from the host's tile groups (items ordered by tile height), where the
+  // caller says the device counts hold the same (host_counts) and no fixed grid reads them.
+  int variant_begin[kNumVariants + 1] = {0};
+  for (int v = 0; v < kNumVariants; ++v) variant_begin[v + 1] = variant_begin[v] + variant_items[v];
+  p.host_range = host_counts && !fixed && host_range_enabled() ? 1 : 0;
+  p.range_leaf_alone = variant_begin[kNumVariants] == variant_items[0] && num_merge_tokens == 0;
   const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
   const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
   for (int i = 0; i < num_launches; ++i) {
     const int v = launches[i];
     p.variant = v;
+    p.range_begin = variant_begin[v];
+    p.range_end = variant_begin[v + 1];
     const int pairs = fixed ? -1 : variant_items[v] * hkv;
     cudaStream_t s = stream;
     if (groups != nullptr && i > 0) {

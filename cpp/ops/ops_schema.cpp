@@ -18,6 +18,9 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // leaf_max_rows: the most query rows of an item of the 16-row tile group (-1: not known);
   // at most 8 lets the leaf launch run the leaf kernel's narrower form. leaf_tiles: the
   // 16-token tiles of those items, summed (-1: not known); short items take a third form.
+  // host_counts: the plan's device counts equal what tile_indptr / tile_m and
+  // num_merge_tokens say (no device check may zero them), so launches that are not fixed
+  // grids take their item ranges from the host.
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
       "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
@@ -26,5 +29,5 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "
       "int prefetch_tiles=0, bool fixed_grid=False, bool concurrent=False, "
       "int fixed_variants=-1, bool chained=False, int num_finished=0, bool finish=False, "
-      "int leaf_max_rows=-1, int leaf_tiles=-1) -> ()");
+      "int leaf_max_rows=-1, int leaf_tiles=-1, bool host_counts=False) -> ()");
 }

@@ -384,6 +384,34 @@ def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, f
         assert_close_to_reference(out, ref, dtype, plan, f"KEYS128={value}: ")
 
 
+@pytest.mark.parametrize(
+    "spec, heads, d, ps, qlen",
+    [
+        ("1,10_4096,416", (32, 8), 128, 16, 1),
+        ("1,256_256,32", (32, 8), 128, 1, 1),
+        ("256_1024", (32, 8), 128, 16, 1),  # the leaf launch alone, nothing merged
+        ("1,4,16,512_1024,256,128,32", (64, 8), 128, 16, 1),
+        ("1,8,32_700,300,50", (16, 4), 64, 24, 3),
+    ],
+)
+def test_host_range_matches_device_counts(spec, heads, d, ps, qlen, monkeypatch):
+    """Forward launches take their item range from the host (not under a fixed grid, not for
+    hinted plans) unless PREFIXATTN_HOST_RANGE=0 (read from the plan's device counts): the
+    same pairs, so the same bits, and the reference's values."""
+    hq, hkv = heads
+    dtype = torch.bfloat16
+    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, "NHD", False,
+                                                  qlen, 17)  # fmt: skip
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
+    plan = pa.plan(table, lens, qo_indptr)
+    scale = 1.0 / math.sqrt(d)
+    outs = outputs_under_env(monkeypatch, "PREFIXATTN_HOST_RANGE", ("1", "0"), plan, q, k, v,
+                             scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
+    assert_close_to_reference(outs[0], ref, dtype, plan, "HOST_RANGE=1: ")
+
+
 WGMMA64_CASES = [
     # tree, heads, page size, layout, interleaved K|V, query tokens per request
     ("1,256_256,32", (32, 8), 16, "NHD", False, 1),

@@ -101,6 +101,13 @@ struct ForwardParams {
   int num_qo_heads;
   int num_kv_heads;
   int variant;         // which group of items this launch runs
+  // 1: the launch's items are [range_begin, range_end) and the plan's tokens merge or not as
+  // range_merges says, known on the host (not under a fixed grid, and not for plans whose
+  // device counts a check may zero), so a block's first loads need not wait on `counts`;
+  // 0: read from `counts`.
+  int host_range;
+  int range_begin, range_end;
+  int range_leaf_alone;  // the 16-row items are the plan's only items and nothing merges
   int prefetch_tiles;  // > 0: prefetch the KV tile this many tiles ahead of the copies into L2
   int chain_next;      // 1: the next launch of the run is chained to this one (ChainLink)
   // 1: the leaf launch runs after every other forward launch and finishes the merged tokens
@@ -282,8 +289,13 @@ struct PairPos {
 struct WorkRange {
   int begin, num_items, total, step_idx, step_head, heads;
   __device__ __forceinline__ WorkRange(const ForwardParams& p, bool packs = false) {
-    begin = p.counts[kVariantBase + p.variant];
-    num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+    if (p.host_range) {
+      begin = p.range_begin;
+      num_items = p.range_end - begin;
+    } else {
+      begin = p.counts[kVariantBase + p.variant];
+      num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+    }
     heads = packs ? max(p.counts[kCountPackedHeads], 1) : 1;
     total = num_items > 0 ? num_items * (p.num_kv_heads / heads) : 0;
     const int n = max(num_items, 1);
@@ -533,16 +545,28 @@ namespace detail {
 // kMergeUnroll rows at once (index and weight passed by shuffle), so a token with n partials
 // waits on about 3 + n / kMergeUnroll dependent loads instead of n.
 constexpr int kMergeUnroll = 8;
+// The plan's side of a (token, head) merge: the token's partial rows merge_partials[begin ..
+// end) and lane j's row index of the first 32 of them. Plan arrays only, so a chained merge
+// loads it before it waits for the forward launches (merge_kernel).
+struct MergeRows {
+  int begin, end, row0;
+  __device__ __forceinline__ void load(const MergeParams& p, int i, int lane) {
+    begin = p.merge_indptr[i];
+    end = p.merge_indptr[i + 1];
+    row0 = begin + lane < end ? p.merge_partials[begin + lane] : 0;
+  }
+};
 template <typename T, int D>
-__device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int h, int lane) {
+__device__ __forceinline__ void merge_head_warp(const MergeParams& p, int i, int h, int lane,
+                                                const MergeRows& mr) {
   constexpr int kDpl = D / 32;
   constexpr unsigned kAll = 0xffffffffu;
-  const int begin = p.merge_indptr[i], end = p.merge_indptr[i + 1];
+  const int begin = mr.begin, end = mr.end;
   // Pass 1: the max log-sum-exp; the first 32 partials' indices and lse stay in registers.
   float m = -INFINITY, lse0 = -INFINITY;
   int row0 = 0;
   for (int j = begin + lane; j < end; j += 32) {
-    const int r = p.merge_partials[j];
+    const int r = j < begin + 32 ? mr.row0 : p.merge_partials[j];
     const float x = __ldcg(p.partial_lse + static_cast<int64_t>(r) * p.num_qo_heads + h);
     if (j < begin + 32) row0 = r, lse0 = x;
     m = fmaxf(m, x);
@@ -625,7 +649,9 @@ inline int merge_smem_bytes(int num_qo_heads) {
 //   takes the warp-per-head path within its block.
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
-  detail::chain_wait_prev();  // the forward launches have written every partial row
+  // The plan's arrays (counts, token bounds, partial row indices) were written before the
+  // run's first launch, so the merge reads them at once; it waits for the forward launches
+  // (chain_wait_prev) only before its first partial row or log-sum-exp.
   const int hq = p.num_qo_heads;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int kWarps = kMergeThreads / 32;
@@ -633,22 +659,40 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int grid_warps = static_cast<int>(gridDim.x) * kWarps;
   if (static_cast<int64_t>(total) * hq <= grid_warps) {
     const int w = static_cast<int>(blockIdx.x) * kWarps + warp;
-    if (w < total * hq) detail::merge_head_warp<T, D>(p, w / hq, w % hq, lane);
+    detail::MergeRows mr;
+    if (w < total * hq) mr.load(p, w / hq, lane);
+    detail::chain_wait_prev();  // the forward launches have written every partial row
+    if (w < total * hq) detail::merge_head_warp<T, D>(p, w / hq, w % hq, lane, mr);
     return;
   }
   extern __shared__ __align__(16) unsigned char merge_smem[];
   float* const wts = reinterpret_cast<float*>(merge_smem);                 // [partials][hq]
   int* const rows = reinterpret_cast<int*>(wts + kMergeMaxPartials * hq);  // [partials]
   const int64_t elems = static_cast<int64_t>(hq) * D;
-  for (int i = blockIdx.x; i < total; i += gridDim.x) {
+  // The block's first token's row indices, before the wait.
+  const int first = blockIdx.x;
+  if (first < total) {
+    const int begin = p.merge_indptr[first];
+    const int n = p.merge_indptr[first + 1] - begin;
+    if (tid < n && n <= kMergeMaxPartials && hq <= kMergeMaxHeads)
+      rows[tid] = p.merge_partials[begin + tid];
+  }
+  detail::chain_wait_prev();  // the forward launches have written every partial row
+  for (int i = first; i < total; i += gridDim.x) {
     const int begin = p.merge_indptr[i];
     const int n = p.merge_indptr[i + 1] - begin;
     if (n > kMergeMaxPartials || hq > kMergeMaxHeads) {
-      for (int h = warp; h < hq; h += kWarps) detail::merge_head_warp<T, D>(p, i, h, lane);
+      for (int h = warp; h < hq; h += kWarps) {
+        detail::MergeRows mr;
+        mr.load(p, i, lane);
+        detail::merge_head_warp<T, D>(p, i, h, lane, mr);
+      }
       continue;
     }
-    __syncthreads();  // the previous token is done with the weights
-    if (tid < n) rows[tid] = p.merge_partials[begin + tid];
+    if (i != first) {
+      __syncthreads();  // the previous token is done with the weights
+      if (tid < n) rows[tid] = p.merge_partials[begin + tid];
+    }
     __syncthreads();
     for (int h = tid; h < hq; h += kMergeThreads) {
       // The head's log-sum-exps (independent loads) into its weight column, then the weights.

@@ -69,8 +69,13 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 struct LeafPairs {
   int begin, num_items, total, heads, step_idx, step_head;
   __device__ __forceinline__ explicit LeafPairs(const ForwardParams& p) {
-    begin = p.counts[kVariantBase + p.variant];
-    num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+    if (p.host_range) {
+      begin = p.range_begin;
+      num_items = p.range_end - begin;
+    } else {
+      begin = p.counts[kVariantBase + p.variant];
+      num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+    }
     heads = p.num_kv_heads;
     total = num_items > 0 ? num_items * heads : 0;
     const int warps = static_cast<int>(gridDim.x) * kLeafWarps;
@@ -128,8 +133,9 @@ struct LeafCopier {
     dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(warp_smem + tok0 * kRow));
     pos = r.first(static_cast<int>(blockIdx.x) * kLeafWarps + static_cast<int>(threadIdx.x >> 5));
     tile = stage = 0;
-    evict_first = p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
-                  p.counts[kCountMergeTokens] > 0;
+    evict_first = p.host_range ? !p.range_leaf_alone
+                               : p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
+                                     p.counts[kCountMergeTokens] > 0;
     done = pos.w >= r.total;
     if (!done) {
       const int item = r.begin + pos.idx;
