@@ -490,7 +490,8 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // caller says the device counts hold the same (host_counts) and no fixed grid reads them.
   int variant_begin[kNumVariants + 1] = {0};
   for (int v = 0; v < kNumVariants; ++v) variant_begin[v + 1] = variant_begin[v] + variant_items[v];
-  p.host_range = host_counts && !fixed && host_range_enabled() ? 1 : 0;
+  const bool heights_sorted = std::is_sorted(tile_m.begin(), tile_m.end());
+  p.host_range = host_counts && heights_sorted && !fixed && host_range_enabled() ? 1 : 0;
   p.range_leaf_alone = variant_begin[kNumVariants] == variant_items[0] && num_merge_tokens == 0;
   const int64_t merge_tokens_run = finishing ? num_merge_tokens - num_finished : num_merge_tokens;
   const bool merge_runs = fixed ? fixed_launches(kNumVariants) : merge_tokens_run > 0;
