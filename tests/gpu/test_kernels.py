@@ -246,17 +246,7 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
     """Launches of more pairs than the GPU holds at once run on a grid that gives every block
     the same number of rounds unless PREFIXATTN_BALANCED_GRID=0: the same bits either way (each
     pair's work does not depend on the warp that runs it), and the reference's values."""
-    hq, hkv = heads
-    d, ps, dtype = 128, 16, torch.bfloat16
-    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, "NHD", False, 1, 6)
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
-    plan = pa.plan(table, lens, qo_indptr)
-    scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_BALANCED_GRID", ("1", "0"), plan, q, k, v,
-                             scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan)
+    check_switch(monkeypatch, "PREFIXATTN_BALANCED_GRID", spec, heads, 16, 1, 6)
 
 
 @pytest.mark.parametrize(
@@ -271,33 +261,23 @@ def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
     """Every forward launch prefetches the plan's arrays and q into the L2 unless
     PREFIXATTN_WARM_L2=0: a hint only, so the same bits either way, and the reference's
     values (leaf, 64-row and 128-row launches, page sizes 16 and 1, causal query runs)."""
-    hq, hkv = heads
-    d, dtype = 128, torch.bfloat16
-    table, lens, qo_indptr, q, k, v = tree_inputs(
-        spec, hq, hkv, d, ps, dtype, "NHD", False, qlen, 8
-    )
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
-    plan = pa.plan(table, lens, qo_indptr)
-    scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WARM_L2", ("1", "0"), plan, q, k, v, scale,
-                             chained=True, finish=pa.finish_in_leaf)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan, "PREFIXATTN_WARM_L2=1")
+    check_switch(monkeypatch, "PREFIXATTN_WARM_L2", spec, heads, ps, qlen, 8)
 
 
-def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, seed, **run_args):
-    """A launcher switch of the `wgmma` producer (`name` set to "1", then to "0") on a PAT
-    tree whose plan runs a tile of at least 64 rows: the same bits either way, and the
-    reference's values (bf16, head_dim 128, chained launches, leaf finishing as planned)."""
+def check_switch(monkeypatch, name, spec, heads, ps, qlen, seed, d=128, layout="NHD",
+                 inter=False, min_rows=0, **run_args):  # fmt: skip
+    """A launcher switch that must not change the result (`name` set to "1", then to "0") on
+    PAT tree `spec`: the same bits either way, and the reference's values (bf16, chained
+    launches, leaf finishing as planned). With `min_rows`, the plan must run a tile of at
+    least that many rows."""
     hq, hkv = heads
-    d, dtype = 128, torch.bfloat16
+    dtype = torch.bfloat16
     table, lens, qo_indptr, q, k, v = tree_inputs(
         spec, hq, hkv, d, ps, dtype, layout, inter, qlen, seed
     )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     plan = pa.plan(table, lens, qo_indptr)
-    assert any(m >= 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+    assert any(m >= min_rows and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
                for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
     scale = 1.0 / math.sqrt(d)
     outs = outputs_under_env(monkeypatch, name, ("1", "0"), plan, q, k, v, scale, chained=True,
@@ -305,6 +285,13 @@ def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, 
     assert torch.equal(outs[0], outs[1])
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert_close_to_reference(outs[0], ref, dtype, plan, f"{name}=1")
+
+
+def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, seed, **run_args):
+    """A launcher switch of the `wgmma` producer on a PAT tree whose plan runs a tile of at
+    least 64 rows (check_switch, head_dim 128)."""
+    check_switch(monkeypatch, name, spec, heads, ps, qlen, seed, layout=layout, inter=inter,
+                 min_rows=64, **run_args)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -398,18 +385,7 @@ def test_host_range_matches_device_counts(spec, heads, d, ps, qlen, monkeypatch)
     """Forward launches take their item range from the host (not under a fixed grid, not for
     hinted plans) unless PREFIXATTN_HOST_RANGE=0 (read from the plan's device counts): the
     same pairs, so the same bits, and the reference's values."""
-    hq, hkv = heads
-    dtype = torch.bfloat16
-    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, "NHD", False,
-                                                  qlen, 17)  # fmt: skip
-    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=dtype)
-    plan = pa.plan(table, lens, qo_indptr)
-    scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_HOST_RANGE", ("1", "0"), plan, q, k, v,
-                             scale, chained=True, finish=pa.finish_in_leaf)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
-    ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan, "HOST_RANGE=1: ")
+    check_switch(monkeypatch, "PREFIXATTN_HOST_RANGE", spec, heads, ps, qlen, 17, d=d)
 
 
 WGMMA64_CASES = [

@@ -277,6 +277,18 @@ __device__ __forceinline__ int64_t kv_offset(const int32_t* pages, int pos, int 
   return static_cast<int64_t>(pages[page_idx]) * stride_page + slot * stride_tok;
 }
 
+// This launch's items [begin, begin + num_items): from the host where it passed them
+// (ForwardParams::host_range), else from the plan's device counts.
+__device__ __forceinline__ void launch_items(const ForwardParams& p, int& begin, int& num_items) {
+  if (p.host_range) {
+    begin = p.range_begin;
+    num_items = p.range_end - begin;
+  } else {
+    begin = p.counts[kVariantBase + p.variant];
+    num_items = p.counts[kVariantBase + p.variant + 1] - begin;
+  }
+}
+
 // A block's place in its stream of pairs: pair w = head * num_items + idx (item begin + idx).
 struct PairPos {
   int w, idx, head;
@@ -289,13 +301,7 @@ struct PairPos {
 struct WorkRange {
   int begin, num_items, total, step_idx, step_head, heads;
   __device__ __forceinline__ WorkRange(const ForwardParams& p, bool packs = false) {
-    if (p.host_range) {
-      begin = p.range_begin;
-      num_items = p.range_end - begin;
-    } else {
-      begin = p.counts[kVariantBase + p.variant];
-      num_items = p.counts[kVariantBase + p.variant + 1] - begin;
-    }
+    launch_items(p, begin, num_items);
     heads = packs ? max(p.counts[kCountPackedHeads], 1) : 1;
     total = num_items > 0 ? num_items * (p.num_kv_heads / heads) : 0;
     const int n = max(num_items, 1);

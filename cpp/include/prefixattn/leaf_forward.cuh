@@ -69,13 +69,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 struct LeafPairs {
   int begin, num_items, total, heads, step_idx, step_head;
   __device__ __forceinline__ explicit LeafPairs(const ForwardParams& p) {
-    if (p.host_range) {
-      begin = p.range_begin;
-      num_items = p.range_end - begin;
-    } else {
-      begin = p.counts[kVariantBase + p.variant];
-      num_items = p.counts[kVariantBase + p.variant + 1] - begin;
-    }
+    launch_items(p, begin, num_items);
     heads = p.num_kv_heads;
     total = num_items > 0 ? num_items * heads : 0;
     const int warps = static_cast<int>(gridDim.x) * kLeafWarps;

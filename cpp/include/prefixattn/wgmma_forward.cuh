@@ -404,20 +404,22 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
                               vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)), 1);
         wgmma_commit();
       };
+      // The pending P V issued and landed, its stages released.
+      auto finish_pv = [&]() {
+        wgmma_fence();
+        issue_pv();
+        wgmma_wait<0>();
+        pin_registers(o);
+#pragma unroll
+        for (int h = 0; h < KS; ++h)
+          if (h < pv_n) release(pv_st[h]);
+        pv_n = 0;
+      };
       for (int tile = 0; tile < num_tiles; tile += KS) {
         const int n_here = min(KS, num_tiles - tile);  // uniform
         if constexpr (!kOverlapPV) {
           // P(t-1) V(t-1) first, landed and its stages released before S(t) is issued.
-          if (wg_active && pv_n > 0) {
-            wgmma_fence();
-            issue_pv();
-            wgmma_wait<0>();
-            pin_registers(o);
-#pragma unroll
-            for (int h = 0; h < KS; ++h)
-              if (h < pv_n) release(pv_st[h]);
-            pv_n = 0;
-          }
+          if (wg_active && pv_n > 0) finish_pv();
         }
         int st[KS];
 #pragma unroll
@@ -547,15 +549,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
             if (h < n_here) release(st[h]);  // a warpgroup without rows reads nothing
         }
       }
-      if (wg_active) {  // the pair's last P V
-        wgmma_fence();
-        issue_pv();
-        wgmma_wait<0>();
-        pin_registers(o);
-#pragma unroll
-        for (int h = 0; h < KS; ++h)
-          if (h < pv_n) release(pv_st[h]);
-      }
+      if (wg_active) finish_pv();  // the pair's last P V
     };
     if (KSTEP == 2 && num_rows > 64 && num_tiles >= kWgmmaKeys128MinTiles)  // uniform
       consume(WgmmaKeyStep<KSTEP>{});
