@@ -6,6 +6,14 @@ The floor of one call = (bytes of the distinct KV entries + q and output bytes) 
 a large device-to-device copy measured in the same run (read + written bytes). Every timed
 call is preceded by a write of a buffer larger than L2 (cold L2, as between layers of a
 model); the median over ``--iters`` calls is reported.
+
+Beside the floor, each configuration gets what one launch can reach in the same harness
+(``--no-ceiling`` skips it): ``copy_us``, a device-to-device copy that moves the floor's
+bytes (half read, half written), timed in the same rounds as the kernels, so it carries the
+launch, the ramp and the tail a kernel of that many bytes cannot avoid; and ``math_us``, the
+attention's tensor-core FLOPs at the rate of a large bf16 matmul measured in the same run.
+``ceiling_us`` is the larger of the two and ``pct_floor_ceiling`` the share of the floor it
+reaches: no kernel timed here can score above it.
 """
 
 from __future__ import annotations
@@ -167,6 +175,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ablations", nargs="*", default=None, metavar="NAME",
                     help=f"also time these variants (all without names): {', '.join(ABLATIONS)}")  # fmt: skip
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--no-ceiling", action="store_true",
+                    help="skip the copy of the floor's bytes and the matmul rate (see above)")  # fmt: skip
     ap.add_argument("--breakdown", type=int, default=0, metavar="CALLS",
                     help="also profile CALLS calls of prefixattn per configuration: device time "
                     "per kernel, and the span from its first kernel to its last")  # fmt: skip
@@ -238,6 +248,31 @@ class _Timer:
             for name in names[k:] + names[:k]:
                 times[name].append(self._once_us(fns[name]))
         return {n: statistics.median(t) for n, t in times.items()}, errors
+
+
+def attention_flops(lens: Sequence[int], num_qo_heads: int, head_dim: int) -> int:
+    """Tensor-core FLOPs of one decode call: each query's q K^T and P V over its whole context
+    (2 multiply-adds per key and dimension), whatever the sharing."""
+    return 4 * head_dim * num_qo_heads * sum(int(n) for n in lens)
+
+
+def ceiling_columns(floor_us: float, copy_us: float, math_us: float) -> dict[str, float]:
+    """The most one launch reaches on a configuration: the slower of moving the floor's bytes
+    (``copy_us``) and doing its math at the measured matmul rate (``math_us``)."""
+    ceiling = max(copy_us, math_us)
+    return {
+        "math_us": math_us,
+        "ceiling_us": ceiling,
+        "pct_floor_ceiling": 100 * floor_us / ceiling,
+    }
+
+
+def matmul_flops(torch, timer: _Timer, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n bf16 matmul (the tensor cores' rate for the ceiling's math)."""
+    a = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    us = timer.median_us(lambda: a @ b)
+    return 2 * n**3 / (us * 1e-6)
 
 
 def hbm_bandwidth(torch, timer: _Timer) -> float:
@@ -438,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     timer = _Timer(torch, args.iters)
     bw = hbm_bandwidth(torch, timer)
     print(f"HBM bandwidth (D2D copy): {bw / 1e9:.0f} GB/s")
+    flops = None if args.no_ceiling else matmul_flops(torch, timer)
+    if flops is not None:
+        print(f"bf16 matmul: {flops / 1e12:.0f} TFLOP/s")
     dtype, d = torch.bfloat16, args.head_dim
     rows = []
     heads = [(int(a), int(b)) for a, b in (h.split(",") for h in args.heads)]
@@ -488,6 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["plan_floor_us"] = traffic["plan"] / bw * 1e6
                 row["items"] = plan.num_work_items
                 row["tiles"] = plan.summary()
+        if flops is not None:
+            # Moves the floor's bytes: half of them read, half written.
+            half = traffic["floor"] // 2
+            src = torch.empty(half, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            calls["copy"] = functools.partial(dst.copy_, src)
         if fi is not None and ps > 0:
             try:
                 calls["fi_decode"] = _flashinfer_decode(
@@ -518,6 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch, calls["prefixattn"], timer.flush, args.breakdown
             )
         row["pct_floor"] = 100 * row["floor_us"] / row["prefixattn_us"]
+        if flops is not None:
+            math_us = attention_flops(lens.tolist(), hq, d) / flops * 1e6
+            row.update(ceiling_columns(row["floor_us"], row["copy_us"], math_us))
         rows.append(row)
         extra = " ".join(f"{k_}={v_:.1f}" for k_, v_ in row.items() if k_.endswith("_us"))
         print(f"{spec:48s} {hq},{hkv} p{ps}: {extra} floor%={row['pct_floor']:.0f}", flush=True)
@@ -535,14 +582,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("prefixattn bench: no configurations selected", file=sys.stderr)
         return 2
     print(f"geomean % of floor: {result['geomean_pct_floor']:.1f}")
+    if "geomean_pct_floor_ceiling" in result:
+        print(f"geomean % of floor one launch reaches (ceiling): "
+              f"{result['geomean_pct_floor_ceiling']:.1f}")  # fmt: skip
     _plot(result, Path(args.out).with_suffix(".png"))
     return 0
 
 
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def summarize(device: str, bw: float, rows: list[dict]) -> dict:
+    """The run's result: its rows, the geomean % of floor, and where every row has a ceiling,
+    the ceiling's geomean % of floor and prefixattn's geomean % of the ceiling."""
+    result: dict[str, Any] = {"device": device, "hbm_gbps": bw / 1e9,
+                              "geomean_pct_floor": geomean([r["pct_floor"] for r in rows])}  # fmt: skip
+    if rows and all("ceiling_us" in r for r in rows):
+        result["geomean_pct_floor_ceiling"] = geomean([r["pct_floor_ceiling"] for r in rows])
+        result["geomean_pct_ceiling"] = geomean(
+            [100 * r["ceiling_us"] / r["prefixattn_us"] for r in rows]
+        )
+    result["rows"] = rows
+    return result
+
+
 def _write(torch, bw: float, rows: list[dict], out_path: Path) -> dict:
-    geo = math.exp(statistics.fmean(math.log(r["pct_floor"]) for r in rows))
-    result = {"device": torch.cuda.get_device_name(), "hbm_gbps": bw / 1e9,
-              "geomean_pct_floor": geo, "rows": rows}  # fmt: skip
+    result = summarize(torch.cuda.get_device_name(), bw, rows)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
     _write_table(result, out_path.with_suffix(".md"))
@@ -554,16 +620,22 @@ def _write_table(result: dict, path: Path) -> None:
                         "per_query_us", "no_split_us", "split_all_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
                         "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us", "fixed_merge_all_us",
-                        "wide_leaf_us")
+                        "wide_leaf_us", "copy_us", "math_us", "ceiling_us")
             if any(c in r for r in result["rows"])]  # fmt: skip
-    lines = [f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
-             f"geomean {result['geomean_pct_floor']:.1f}% of floor", "",
-             "| tree | heads | page | " + " | ".join(cols) + " | % floor |",
-             "|---|---|---|" + "---|" * len(cols) + "---|"]  # fmt: skip
+    ceiling = "geomean_pct_floor_ceiling" in result
+    head = (f"{result['device']}, HBM {result['hbm_gbps']:.0f} GB/s, bf16, head_dim 128; "
+            f"geomean {result['geomean_pct_floor']:.1f}% of floor")  # fmt: skip
+    if ceiling:
+        head += (f"; one launch's ceiling {result['geomean_pct_floor_ceiling']:.1f}% of floor; "
+                 f"prefixattn {result['geomean_pct_ceiling']:.1f}% of the ceiling")  # fmt: skip
+    extra = " | ceiling % floor" if ceiling else ""
+    lines = [head, "", "| tree | heads | page | " + " | ".join(cols) + " | % floor" + extra + " |",
+             "|---|---|---|" + "---|" * len(cols) + "---|" + ("---|" if ceiling else "")]  # fmt: skip
     for r in result["rows"]:
         vals = " | ".join(f"{r[c]:.1f}" if c in r else "-" for c in cols)
+        tail = f" | {r['pct_floor_ceiling']:.0f}" if ceiling else ""
         lines.append(f"| {r['tree']} | {r['heads'][0]},{r['heads'][1]} | {r['page_size']} | "
-                     f"{vals} | {r['pct_floor']:.0f} |")  # fmt: skip
+                     f"{vals} | {r['pct_floor']:.0f}{tail} |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -584,6 +656,9 @@ def _plot(result: dict, path: Path) -> None:
         if any(key in r for r in rows):
             ax.plot(x, [100 * r["floor_us"] / r[key] if key in r else np.nan for r in rows],
                     style, label=label)  # fmt: skip
+    if any("pct_floor_ceiling" in r for r in rows):
+        ax.plot(x, [r.get("pct_floor_ceiling", np.nan) for r in rows], "k_",
+                label="one launch's ceiling (copy of the floor's bytes, matmul rate)")  # fmt: skip
     ax.axhline(80, color="k", lw=0.5)
     ax.set_ylabel("% of HBM floor")
     ax.set_xticks(x, [f"{r['tree']} {r['heads'][0]}/{r['heads'][1]} p{r['page_size']}"

@@ -261,3 +261,44 @@ def test_plan_traffic_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert mod.main(["--trees", "1,4_64,16", "8_33", "--heads", "32,8", "--page1-trees"]) == 0
     out = capsys.readouterr().out
     assert "1,4_64,16" in out and "geomean: cap" in out
+
+
+def test_attention_flops_count_every_query_context() -> None:
+    from prefixattn.bench import attention_flops
+
+    # Two queries of 10 and 30 keys, 4 q heads, head_dim 8: 4 * 8 * 4 * 40 FLOPs.
+    assert attention_flops([10, 30], 4, 8) == 4 * 8 * 4 * 40
+
+
+def test_ceiling_is_the_slower_of_copy_and_math() -> None:
+    from prefixattn.bench import ceiling_columns
+
+    copy_bound = ceiling_columns(floor_us=8.0, copy_us=10.0, math_us=2.0)
+    assert copy_bound["ceiling_us"] == 10.0 and copy_bound["pct_floor_ceiling"] == 80.0
+    math_bound = ceiling_columns(floor_us=40.0, copy_us=45.0, math_us=80.0)
+    assert math_bound["ceiling_us"] == 80.0 and math_bound["pct_floor_ceiling"] == 50.0
+
+
+def test_summary_and_table_with_ceilings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prefixattn.bench import _write_table, ceiling_columns, summarize
+
+    rows = []
+    for floor, us, copy in ((8.0, 20.0, 10.0), (100.0, 125.0, 105.0)):
+        row = {"tree": "t", "heads": [32, 8], "page_size": 16, "floor_us": floor,
+               "prefixattn_us": us, "copy_us": copy, "pct_floor": 100 * floor / us}  # fmt: skip
+        row.update(ceiling_columns(floor, copy, 1.0))
+        rows.append(row)
+    result = summarize("gpu", 4e12, rows)
+    assert result["geomean_pct_floor"] == pytest.approx((40.0 * 80.0) ** 0.5)
+    assert result["geomean_pct_floor_ceiling"] == pytest.approx((80.0 * 100 / 1.05) ** 0.5)
+    assert result["geomean_pct_ceiling"] == pytest.approx((50.0 * 84.0) ** 0.5)
+    _write_table(result, tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    assert "ceiling % floor" in text and "| 40 | 80 |" in text
+    # Rows without a ceiling (--no-ceiling) give the table and summary of before.
+    plain = summarize("gpu", 4e12, [{k: v for k, v in r.items() if k in
+                                     ("tree", "heads", "page_size", "floor_us", "prefixattn_us",
+                                      "pct_floor")} for r in rows])  # fmt: skip
+    assert "geomean_pct_floor_ceiling" not in plain
+    _write_table(plain, tmp_path / "p.md")
+    assert "ceiling" not in (tmp_path / "p.md").read_text()
