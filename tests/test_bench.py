@@ -302,3 +302,21 @@ def test_summary_and_table_with_ceilings(tmp_path) -> None:  # type: ignore[no-u
     assert "geomean_pct_floor_ceiling" not in plain
     _write_table(plain, tmp_path / "p.md")
     assert "ceiling" not in (tmp_path / "p.md").read_text()
+
+
+def test_attention_math_rate_script_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/attention_math_rate.py (cited in docs/kernel-notes.md) parses its options and,
+    without a CUDA GPU, stops with a message and exit status 1."""
+    import importlib.util
+
+    import torch
+
+    path = Path(__file__).parent.parent / "benchmarks" / "attention_math_rate.py"
+    spec = importlib.util.spec_from_file_location("attention_math_rate_script", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run its kernels")
+    assert mod.main(["--heads", "32,8", "--backends", "fa3"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
