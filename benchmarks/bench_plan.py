@@ -5,7 +5,7 @@
 
 Prints, per page size, the median (and min / p90) over ``--repeat`` calls of:
 
-- ``python``: ``build_forest`` + ``pack`` (core/forest.py, core/packer.py);
+- ``python``: ``build_forest`` + ``pack`` (prefixattn/forest.py, prefixattn/packer.py);
 - ``native``: ``build_plan_native`` (the same arrays from the compiled ``build_plan`` op,
   numpy in and out);
 - ``native op``: the op call alone (torch tensors in and out, no Python objects built);

@@ -14,7 +14,9 @@ import torch.utils.cpp_extension as cpp
 
 
 def cxx_standard() -> int:
-    config = os.path.join(os.path.dirname(torch.__file__), "share", "cmake", "Torch", "TorchConfig.cmake")
+    config = os.path.join(
+        os.path.dirname(torch.__file__), "share", "cmake", "Torch", "TorchConfig.cmake"
+    )
     if os.path.exists(config):
         with open(config) as f:
             found = re.search(r"CXX_STANDARD\s+(\d+)", f.read())

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_parallel
 
-from prefixattn.adapters.sglang_backend import PrefixAttnBackend
+from prefixattn.adapters.sglang.backend import PrefixAttnBackend
 
 
 class _Config:

@@ -22,7 +22,7 @@ from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from prefixattn.adapters.vllm_backend import PrefixAttentionMetadataBuilder
+from prefixattn.adapters.vllm.backend import PrefixAttentionMetadataBuilder
 
 
 def batch_tables(kind: str, batch: int, prefix: int, tail: int, block: int) -> torch.Tensor:

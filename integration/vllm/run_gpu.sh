@@ -48,7 +48,7 @@ import torch
 
 import prefixattn
 from prefixattn import _ops
-from prefixattn.adapters.vllm_backend import PrefixAttentionMetadataBuilder as B
+from prefixattn.adapters.vllm.backend import PrefixAttentionMetadataBuilder as B
 
 spec = types.SimpleNamespace(dtype=torch.bfloat16)
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "prefixattn"]

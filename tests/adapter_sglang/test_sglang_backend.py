@@ -25,7 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.runtime_context import get_parallel
 
 from prefixattn import attention_reference
-from prefixattn.adapters.sglang_backend import PrefixAttnBackend
+from prefixattn.adapters.sglang.backend import PrefixAttnBackend
 
 DTYPE = torch.float32
 MAX_CONTEXT = 384

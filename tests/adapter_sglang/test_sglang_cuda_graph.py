@@ -38,7 +38,7 @@ from test_sglang_backend import (  # the autouse single-rank fixture comes along
 import prefixattn._ops
 from prefixattn import PrefixAttention
 from prefixattn.adapters import sglang_backend
-from prefixattn.adapters.sglang_backend import PrefixAttnBackend, graph_reservation
+from prefixattn.adapters.sglang.backend import PrefixAttnBackend, graph_reservation
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 CAPTURE_BS = [4, 12]  # TREE has 8 requests: replayed padded to 12

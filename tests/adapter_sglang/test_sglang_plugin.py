@@ -35,14 +35,14 @@ def test_entry_point_is_installed():
         print(sorted(f"{ep.name}={ep.value}" for ep in eps))
         """
     )
-    assert "prefixattn=prefixattn.adapters.sglang_plugin:register" in out
+    assert "prefixattn=prefixattn.adapters.sglang.plugin:register" in out
 
 
 def test_importing_prefixattn_imports_no_sglang():
     out = _python(
         """
         import sys
-        import prefixattn, prefixattn.adapters, prefixattn.adapters.sglang_plugin
+        import prefixattn, prefixattn.adapters, prefixattn.adapters.sglang.plugin
         print(sorted(m for m in sys.modules if m.split(".")[0] == "sglang"))
         """
     )
@@ -59,7 +59,7 @@ def test_load_plugins_makes_cli_accept_the_backend():
 
         load_plugins()
         load_plugins()  # SGLang guards repeats; register() itself is idempotent too
-        from prefixattn.adapters.sglang_plugin import create_backend, register
+        from prefixattn.adapters.sglang.plugin import create_backend, register
         register()
         register()
 

@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from prefixattn import attention_reference
-from prefixattn.adapters.vllm_backend import (
+from prefixattn.adapters.vllm.backend import (
     PrefixAttentionBackend,
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,

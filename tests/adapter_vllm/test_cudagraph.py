@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from prefixattn import PrefixAttention, _ops, attention_reference
 from prefixattn.adapters import vllm_backend
-from prefixattn.adapters.vllm_backend import (
+from prefixattn.adapters.vllm.backend import (
     PrefixAttentionBackend,
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,

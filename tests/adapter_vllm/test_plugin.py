@@ -10,14 +10,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-BACKEND = "prefixattn.adapters.vllm_backend.PrefixAttentionBackend"
+BACKEND = "prefixattn.adapters.vllm.backend.PrefixAttentionBackend"
 
 
 def test_entry_point_is_installed() -> None:
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     ours = [ep for ep in eps if ep.name == "prefixattn"]
     assert len(ours) == 1
-    assert ours[0].value == "prefixattn.adapters.vllm_plugin:register"
+    assert ours[0].value == "prefixattn.adapters.vllm.plugin:register"
     assert callable(ours[0].load())
 
 
@@ -35,13 +35,13 @@ print("ok", cls.__module__, cls.__qualname__)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok prefixattn.adapters.vllm_backend PrefixAttentionBackend" in done.stdout
+    assert "ok prefixattn.adapters.vllm.backend PrefixAttentionBackend" in done.stdout
 
 
 def test_register_is_idempotent() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from prefixattn.adapters.vllm_plugin import register
+    from prefixattn.adapters.vllm.plugin import register
 
     register()
     register()
@@ -50,7 +50,7 @@ def test_register_is_idempotent() -> None:
 
 def test_importing_prefixattn_does_not_import_vllm() -> None:
     code = (
-        "import sys, prefixattn, prefixattn.adapters.vllm_plugin;"
+        "import sys, prefixattn, prefixattn.adapters.vllm.plugin;"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -20,7 +20,7 @@ def create_backend(model_runner: Any) -> Any:
         raise ValueError(
             "the prefixattn attention backend serves MHA/GQA models; this model uses MLA"
         )
-    from prefixattn.adapters.sglang_backend import PrefixAttnBackend
+    from prefixattn.adapters.sglang.backend import PrefixAttnBackend
 
     return PrefixAttnBackend(model_runner)
 

@@ -7,7 +7,7 @@ it starts (engine core, workers). Select the backend with ``--attention-backend 
 
 from __future__ import annotations
 
-BACKEND_PATH = "prefixattn.adapters.vllm_backend.PrefixAttentionBackend"
+BACKEND_PATH = "prefixattn.adapters.vllm.backend.PrefixAttentionBackend"
 
 
 def register() -> None:

@@ -450,6 +450,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
                     # the table, checked on the device against this step's. Padding requests
                     # read row 0 but take no part in its prefix.
                     private = np.arange(b + pad) >= b
+                    assert hint is not None
                     plan = attention.plan_hinted(
                         cm.block_table_tensor, hint, lens, indptr, rows=rows, private=private
                     )
@@ -578,8 +579,8 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
                 v_cache,
                 slot_mapping,
                 self.kv_cache_dtype,
-                layer._k_scale,  # type: ignore[arg-type]
-                layer._v_scale,  # type: ignore[arg-type]
+                layer._k_scale,
+                layer._v_scale,
             )
             return
         n = slot_mapping.shape[0]
