@@ -3,7 +3,7 @@
 // Every step mirrors core/forest.py `build_forest` and core/packer.py `pack`, including their
 // orderings and tie-breaks (stable sorts, lexsorts, greedy merge order), so that both produce
 // identical arrays. Integer divisions use Python's floor semantics.
-#include "plan_builder.h"
+#include "plan/plan_builder.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,6 +12,8 @@
 #include <numeric>
 #include <string>
 #include <utility>
+
+#include "prefixattn/plan_layout.h"
 
 namespace prefixattn {
 namespace plan {
@@ -418,79 +420,94 @@ void items_per_query(const std::vector<int32_t>& rows, const std::vector<int64_t
   }
 }
 
-void pack(const PlanParams& p, const std::vector<int64_t>& lens,
-          const std::vector<int64_t>& qo_indptr, PlanResult& out) {
-  const Forest& f = out.forest;
-  const int64_t ps = p.page_size;
-  const int64_t batch = p.batch;
-  std::vector<int64_t> qo_len(batch);
-  for (int64_t b = 0; b < batch; ++b) qo_len[b] = qo_indptr[b + 1] - qo_indptr[b];
-  if (p.m_sizes.empty() || p.n_bounds.empty() || p.n_sizes.size() != p.n_bounds.size()) {
-    throw std::invalid_argument("tile table needs m sizes and matching n bounds and sizes");
+// The tile table (tiles.TileTable): which height and width an item of `rows` rows and `len` KV
+// tokens takes.
+class TileTable {
+ public:
+  explicit TileTable(const PlanParams& p) : p_(p) {}
+  int64_t num_heights() const { return static_cast<int64_t>(p_.m_sizes.size()); }
+  int64_t max_rows() const { return p_.m_sizes.back(); }
+  // tiles.TileTable.height_index.
+  int64_t height_of(int64_t rows, int64_t len) const {
+    const int64_t last = num_heights() - 1;
+    if (p_.wide_kv_len > 0 && rows > p_.wide_rows && len >= p_.wide_kv_len) return last;
+    return std::min<int64_t>(
+        std::lower_bound(p_.m_sizes.begin(), p_.m_sizes.end(), rows) - p_.m_sizes.begin(), last);
   }
-  if (p.num_kv_heads <= 0 || p.num_qo_heads <= 0) {
-    throw std::invalid_argument("head counts must be positive");
+  int64_t width_of(int64_t len) const {
+    const int64_t last = static_cast<int64_t>(p_.n_bounds.size()) - 1;
+    return std::min<int64_t>(
+        std::lower_bound(p_.n_bounds.begin(), p_.n_bounds.end(), len) - p_.n_bounds.begin(), last);
   }
-  const int64_t max_rows = p.m_sizes.back();
+  // Tiles are keyed m * kTileKey + n (n < kTileKey, checked by check_tile_table).
+  int64_t key(int64_t height, int64_t width) const {
+    return p_.m_sizes[height] * kTileKey + p_.n_sizes[width];
+  }
+  static constexpr int64_t kTileKey = 65536;
 
-  // Long-KV split length: the mean KV length of the nodes that serve tokens (of the requests
-  // with new tokens for per_query), at least kMinSplitTokens.
-  double split_len = std::numeric_limits<double>::infinity();
-  if (p.split_kv) {
-    int64_t total = 0, count = 0;
-    if (p.packing == Packing::kPerQuery) {
-      for (int64_t b = 0; b < batch; ++b) {
-        if (qo_len[b] > 0) {
-          total += lens[b];
-          ++count;
-        }
-      }
-    } else {
-      const int64_t n = static_cast<int64_t>(f.order.size());
-      std::vector<int64_t> csum(n + 1, 0);
-      for (int64_t i = 0; i < n; ++i) csum[i + 1] = csum[i] + qo_len[f.order[i]];
-      for (int64_t u = 0; u < f.num_nodes(); ++u) {
-        if (csum[f.req_end[u]] - csum[f.req_begin[u]] > 0) {
-          total += f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * ps;
-          ++count;
-        }
+ private:
+  const PlanParams& p_;
+};
+
+// Long-KV split length: the mean KV length of the nodes that serve tokens (of the requests with
+// new tokens for per_query), at least kMinSplitTokens; infinite without split_kv.
+double split_length(const PlanParams& p, const Forest& f, const std::vector<int64_t>& lens,
+                    const std::vector<int64_t>& qo_len) {
+  if (!p.split_kv) return std::numeric_limits<double>::infinity();
+  int64_t total = 0, count = 0;
+  if (p.packing == Packing::kPerQuery) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      if (qo_len[b] > 0) {
+        total += lens[b];
+        ++count;
       }
     }
-    if (count > 0) {
-      split_len = std::max(static_cast<double>(total) / static_cast<double>(count),
-                           static_cast<double>(kMinSplitTokens));
+  } else {
+    const int64_t n = static_cast<int64_t>(f.order.size());
+    std::vector<int64_t> csum(n + 1, 0);
+    for (int64_t i = 0; i < n; ++i) csum[i + 1] = csum[i] + qo_len[f.order[i]];
+    for (int64_t u = 0; u < f.num_nodes(); ++u) {
+      if (csum[f.req_end[u]] - csum[f.req_begin[u]] > 0) {
+        total += f.token_end[u] - static_cast<int64_t>(f.page_begin[u]) * p.page_size;
+        ++count;
+      }
     }
   }
-  // Merges are held back from items that would be cut only when every long item is cut.
-  const double hold_len =
-      p.split_target == 0 ? split_len : std::numeric_limits<double>::infinity();
+  if (count == 0) return std::numeric_limits<double>::infinity();
+  return std::max(static_cast<double>(total) / static_cast<double>(count),
+                  static_cast<double>(kMinSplitTokens));
+}
 
-  Items items;
-  std::vector<int32_t> pq_rows;
+// The work items of the packing strategy (packer._Items).
+void collect_items(const PlanParams& p, const Forest& f, const std::vector<int64_t>& lens,
+                   const std::vector<int64_t>& qo_len, int64_t max_rows, double hold_len,
+                   std::vector<int32_t>& pq_rows, Items& items) {
   switch (p.packing) {
-    case Packing::kMemory:
-      items_memory(f, p, qo_len, max_rows, hold_len, items);
-      break;
-    case Packing::kNaive:
-      items_naive(f, items);
-      break;
+    case Packing::kMemory: items_memory(f, p, qo_len, max_rows, hold_len, items); break;
+    case Packing::kNaive: items_naive(f, items); break;
     case Packing::kPerQuery:
-      for (int64_t b = 0; b < batch; ++b) {
-        if (floordiv(lens[b] + ps - 1, ps) > 0) pq_rows.push_back(static_cast<int32_t>(b));
+      for (int64_t b = 0; b < p.batch; ++b) {
+        if (floordiv(lens[b] + p.page_size - 1, p.page_size) > 0) {
+          pq_rows.push_back(static_cast<int32_t>(b));
+        }
       }
       items_per_query(pq_rows, lens, items);
       break;
   }
+}
 
-  const int64_t g = p.num_qo_heads / p.num_kv_heads;
-  const int64_t max_tokens = std::max<int64_t>(1, floordiv(max_rows, g));
-  const int64_t num_tokens = qo_indptr[batch];
+// Query slots (token, causal limit) of every item, item by item.
+struct Slots {
+  std::vector<int64_t> item, tok, lim, req;
+  int64_t size() const { return static_cast<int64_t>(item.size()); }
+};
+
+// Step 1: the slots of each item's runs of requests (runs stably sorted by item); a token
+// whose causal limit does not reach past the item's first position sees none of its KV.
+void query_slots(const Items& items, const std::vector<int64_t>& it_begin,
+                 const std::vector<int64_t>& lens, const std::vector<int64_t>& qo_indptr,
+                 const std::vector<int64_t>& qo_len, int64_t num_tokens, Slots& slots) {
   const int64_t n_items = static_cast<int64_t>(items.page_begin.size());
-  std::vector<int64_t> it_begin(n_items);
-  for (int64_t i = 0; i < n_items; ++i) it_begin[i] = items.page_begin[i] * ps;
-  const std::vector<int64_t>& it_tok_end = items.token_end;
-
-  // 1. Query slots, item by item (runs stably sorted by item).
   const int64_t n_runs = static_cast<int64_t>(items.run_item.size());
   std::vector<int64_t> run_order(n_runs);
   {
@@ -499,8 +516,7 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
     for (int64_t i = 0; i < n_items; ++i) fill[i + 1] += fill[i];
     for (int64_t r = 0; r < n_runs; ++r) run_order[fill[items.run_item[r]]++] = r;
   }
-  std::vector<int64_t> slot_item, slot_tok, slot_lim, slot_req;
-  for (auto* v : {&slot_item, &slot_tok, &slot_lim, &slot_req}) {
+  for (auto* v : {&slots.item, &slots.tok, &slots.lim, &slots.req}) {
     v->reserve(2 * static_cast<size_t>(std::max<int64_t>(num_tokens, 0)) + 16);
   }
   for (int64_t r : run_order) {
@@ -513,131 +529,145 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
       for (int64_t within = 0; within < nq; ++within) {
         const int64_t lim = base_lim + within;
         if (lim > first_pos) {
-          slot_item.push_back(item);
-          slot_tok.push_back(qo_indptr[req] + within);
-          slot_lim.push_back(lim);
-          slot_req.push_back(req);
+          slots.item.push_back(item);
+          slots.tok.push_back(qo_indptr[req] + within);
+          slots.lim.push_back(lim);
+          slots.req.push_back(req);
         }
       }
     }
   }
-  const int64_t n_slots = static_cast<int64_t>(slot_item.size());
+}
 
-  // 2. Row chunks of at most max_tokens tokens per item.
-  std::vector<int64_t> chunk_item, chunk_req, chunk_begin, chunk_end, chunk_first;
-  for (auto* v : {&chunk_item, &chunk_req, &chunk_begin, &chunk_end, &chunk_first}) {
-    v->reserve(static_cast<size_t>(n_items) + 1);
+// Row chunks: runs of at most max_tokens consecutive slots of one item. Chunk c holds slots
+// first[c] .. first[c + 1] - 1 and reads the item's KV [begin[c], end[c]).
+struct Chunks {
+  std::vector<int64_t> item, req, begin, end, first;
+  int64_t size() const { return static_cast<int64_t>(item.size()); }
+  int64_t len(int64_t c) const { return end[c] - begin[c]; }
+  int64_t slots(int64_t c) const { return first[c + 1] - first[c]; }
+};
+
+// Step 2.
+void row_chunks(const Slots& slots, const std::vector<int64_t>& it_begin,
+                const std::vector<int64_t>& it_tok_end, int64_t max_tokens, Chunks& chunks) {
+  for (auto* v : {&chunks.item, &chunks.req, &chunks.begin, &chunks.end, &chunks.first}) {
+    v->reserve(it_begin.size() + 1);
   }
-  {
-    int64_t prev = -1, rank = 0;
-    for (int64_t s = 0; s < n_slots; ++s) {
-      if (slot_item[s] != prev) {
-        prev = slot_item[s];
-        rank = 0;
-      }
-      if (rank == max_tokens) rank = 0;
-      if (rank == 0) {
-        chunk_item.push_back(prev);
-        chunk_req.push_back(slot_req[s]);
-        chunk_begin.push_back(it_begin[prev]);
-        chunk_end.push_back(slot_lim[s]);
-        chunk_first.push_back(s);
-      } else {
-        chunk_end.back() = std::max(chunk_end.back(), slot_lim[s]);
-      }
-      ++rank;
+  const int64_t n_slots = slots.size();
+  int64_t prev = -1, rank = 0;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    if (slots.item[s] != prev) {
+      prev = slots.item[s];
+      rank = 0;
     }
+    if (rank == max_tokens) rank = 0;
+    if (rank == 0) {
+      chunks.item.push_back(prev);
+      chunks.req.push_back(slots.req[s]);
+      chunks.begin.push_back(it_begin[prev]);
+      chunks.end.push_back(slots.lim[s]);
+      chunks.first.push_back(s);
+    } else {
+      chunks.end.back() = std::max(chunks.end.back(), slots.lim[s]);
+    }
+    ++rank;
   }
-  const int64_t n_chunks = static_cast<int64_t>(chunk_item.size());
-  chunk_first.push_back(n_slots);
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    chunk_end[c] = std::min(it_tok_end[chunk_item[c]], chunk_end[c]);
+  chunks.first.push_back(n_slots);
+  for (int64_t c = 0; c < chunks.size(); ++c) {
+    chunks.end[c] = std::min(it_tok_end[chunks.item[c]], chunks.end[c]);
   }
+}
 
-  // 3. Long-KV split into equal page-aligned parts; each part's visible slots. With a split
-  // target, only chunks whose KV is more than kSplitSlack times their launch's share per SM
-  // (the KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into
-  // parts no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens.
-  const int64_t n_heights = static_cast<int64_t>(p.m_sizes.size());
-  // The height of an item of `rows` rows and `len` KV tokens (tiles.TileTable.height_index).
-  auto height_of = [&](int64_t rows, int64_t len) {
-    if (p.wide_kv_len > 0 && rows > p.wide_rows && len >= p.wide_kv_len) return n_heights - 1;
-    return std::min<int64_t>(
-        std::lower_bound(p.m_sizes.begin(), p.m_sizes.end(), rows) - p.m_sizes.begin(),
-        n_heights - 1);
-  };
-  std::vector<int64_t> launch_len(n_heights, 0);
+// Parts of chunks after the long-KV split: part q of chunk chunk[q] reads [begin[q], end[q])
+// for its num_slots[q] slots pair_slot[pair_first[q] .. pair_first[q + 1]).
+struct Parts {
+  std::vector<int64_t> chunk, begin, end, num_slots, pair_first;
+  std::vector<int64_t> pair_slot;
+  int64_t size() const { return static_cast<int64_t>(begin.size()); }
+};
+
+// How many parts the split rule cuts chunk `c` into (step 3). The products are formed in 128
+// bits: split_target is the caller's, and len * slots exceeds int64 from about 1e13 on.
+int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chunks, int64_t c,
+                  int64_t g, double split_len, const std::vector<int64_t>& launch_len) {
+  if (!p.split_kv) return 1;
+  const int64_t len = chunks.len(c);
+  const int64_t pages = ceildiv(len, p.page_size);
+  const int64_t parts = std::max<int64_t>(
+      std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages), 1);
+  if (p.split_target <= 0) return parts;
+  using wide = __int128;
+  const int64_t h = tiles.height_of(chunks.slots(c) * g, len);
+  const int64_t share = p.num_kv_heads * launch_len[h];  // x slots
+  const int64_t per_sm = pairs_per_sm(p.m_sizes[h], p.head_dim);
+  const wide slots = static_cast<wide>(p.split_target) * per_sm;
+  if (static_cast<wide>(len) * slots <= static_cast<wide>(kSplitSlack) * share) return 1;
+  // Leaf chunks (one warp per pair) are cut by the balance alone, not by the split length:
+  // one long request would otherwise keep a single part.
+  const int64_t cap = per_sm > 1 ? pages : parts;
+  const wide divisor = std::max<int64_t>(share, 1);
+  const wide balanced = (static_cast<wide>(kSplitSlack) * slots * len + divisor - 1) / divisor;
+  const int64_t bound =
+      std::min<int64_t>(cap, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1));
+  return balanced < bound ? static_cast<int64_t>(balanced) : bound;
+}
+
+// Step 3: long-KV split into equal page-aligned parts; each part's visible slots. With a split
+// target, only chunks whose KV is more than kSplitSlack times their launch's share per SM (the
+// KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into parts
+// no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens.
+void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots,
+                 const Chunks& chunks, int64_t g, double split_len, Parts& parts) {
+  const int64_t ps = p.page_size;
+  const int64_t n_chunks = chunks.size();
+  std::vector<int64_t> launch_len(tiles.num_heights(), 0);
   if (p.split_kv && p.split_target > 0) {
     for (int64_t c = 0; c < n_chunks; ++c) {
-      launch_len[height_of((chunk_first[c + 1] - chunk_first[c]) * g,
-                           chunk_end[c] - chunk_begin[c])] += chunk_end[c] - chunk_begin[c];
+      launch_len[tiles.height_of(chunks.slots(c) * g, chunks.len(c))] += chunks.len(c);
     }
   }
-  std::vector<int64_t> part_chunk, part_begin, part_end, part_slots, pair_first;
-  std::vector<int64_t> pair_slot;
-  for (auto* v : {&part_chunk, &part_begin, &part_end, &part_slots, &pair_first}) {
+  for (auto* v : {&parts.chunk, &parts.begin, &parts.end, &parts.num_slots, &parts.pair_first}) {
     v->reserve(2 * static_cast<size_t>(n_chunks) + 1);
   }
-  pair_slot.reserve(2 * static_cast<size_t>(n_slots));
+  parts.pair_slot.reserve(2 * static_cast<size_t>(slots.size()));
   for (int64_t c = 0; c < n_chunks; ++c) {
-    const int64_t len = chunk_end[c] - chunk_begin[c];
-    const int64_t pages = ceildiv(len, ps);
-    int64_t parts = 1;
-    if (p.split_kv) {
-      parts = std::max<int64_t>(
-          std::min(static_cast<int64_t>(std::ceil(static_cast<double>(len) / split_len)), pages),
-          1);
-      if (p.split_target > 0) {
-        const int64_t h = height_of((chunk_first[c + 1] - chunk_first[c]) * g, len);
-        const int64_t share = p.num_kv_heads * launch_len[h];  // x slots
-        const int64_t per_sm = pairs_per_sm(p.m_sizes[h], p.head_dim);
-        const int64_t slots = p.split_target * per_sm;
-        if (len * slots > kSplitSlack * share) {
-          // Leaf chunks (one warp per pair) are cut by the balance alone, not by the split
-          // length: one long request would otherwise keep a single part.
-          const int64_t cap = per_sm > 1 ? pages : parts;
-          const int64_t balanced = ceildiv(kSplitSlack * slots * len, std::max<int64_t>(share, 1));
-          parts = std::min({cap, balanced, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1)});
-        } else {
-          parts = 1;
-        }
-      }
-    }
-    for (int64_t k = 0; k < parts; ++k) {
-      const int64_t begin = chunk_begin[c] + floordiv(k * pages, parts) * ps;
-      int64_t end = std::min(chunk_end[c], chunk_begin[c] + floordiv((k + 1) * pages, parts) * ps);
-      const int64_t first_pair = static_cast<int64_t>(pair_slot.size());
+    const int64_t pages = ceildiv(chunks.len(c), ps);
+    const int64_t n = num_parts(p, tiles, chunks, c, g, split_len, launch_len);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t begin = chunks.begin[c] + floordiv(k * pages, n) * ps;
+      int64_t end = std::min(chunks.end[c], chunks.begin[c] + floordiv((k + 1) * pages, n) * ps);
+      const int64_t first_pair = static_cast<int64_t>(parts.pair_slot.size());
       int64_t furthest = std::numeric_limits<int64_t>::min();
-      for (int64_t s = chunk_first[c]; s < chunk_first[c + 1]; ++s) {
-        if (slot_lim[s] > begin) {
-          pair_slot.push_back(s);
-          furthest = std::max(furthest, slot_lim[s]);
+      for (int64_t s = chunks.first[c]; s < chunks.first[c + 1]; ++s) {
+        if (slots.lim[s] > begin) {
+          parts.pair_slot.push_back(s);
+          furthest = std::max(furthest, slots.lim[s]);
         }
       }
-      const int64_t count = static_cast<int64_t>(pair_slot.size()) - first_pair;
+      const int64_t count = static_cast<int64_t>(parts.pair_slot.size()) - first_pair;
       if (count > 0) end = std::min(end, furthest);
-      part_chunk.push_back(c);
-      part_begin.push_back(begin);
-      part_end.push_back(end);
-      part_slots.push_back(count);
-      pair_first.push_back(first_pair);
+      parts.chunk.push_back(c);
+      parts.begin.push_back(begin);
+      parts.end.push_back(end);
+      parts.num_slots.push_back(count);
+      parts.pair_first.push_back(first_pair);
     }
   }
-  const int64_t n_parts = static_cast<int64_t>(part_begin.size());
-  pair_first.push_back(static_cast<int64_t>(pair_slot.size()));
+  parts.pair_first.push_back(static_cast<int64_t>(parts.pair_slot.size()));
+}
 
-  // 4. Tiles: group by tile, longest first inside a group.
+// Step 4: the work items are the parts with slots, grouped by tile, longest first inside a
+// group. Returns the parts in item order; fills the plan's tiles, tile_id and tile_indptr.
+std::vector<int64_t> group_tiles(const TileTable& tiles, const Parts& parts, int64_t g,
+                                 PlanResult& out) {
   std::vector<int64_t> alive, alive_key;
-  for (int64_t q = 0; q < n_parts; ++q) {
-    if (part_slots[q] <= 0) continue;
-    const int64_t rows = part_slots[q] * g;
-    const int64_t len = part_end[q] - part_begin[q];
-    const int64_t nn = static_cast<int64_t>(p.n_bounds.size());
-    const int64_t mi = height_of(rows, len);
-    const int64_t ni = std::min<int64_t>(
-        std::lower_bound(p.n_bounds.begin(), p.n_bounds.end(), len) - p.n_bounds.begin(), nn - 1);
+  for (int64_t q = 0; q < parts.size(); ++q) {
+    if (parts.num_slots[q] <= 0) continue;
+    const int64_t len = parts.end[q] - parts.begin[q];
     alive.push_back(q);
-    alive_key.push_back(p.m_sizes[mi] * 65536 + p.n_sizes[ni]);
+    alive_key.push_back(
+        tiles.key(tiles.height_of(parts.num_slots[q] * g, len), tiles.width_of(len)));
   }
   std::vector<int64_t> used(alive_key.begin(), alive_key.end());
   std::sort(used.begin(), used.end());
@@ -658,96 +688,113 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   };
   std::vector<Order> by_tile(n_alive);
   for (int64_t k = 0; k < n_alive; ++k) {
-    by_tile[k] = {tid_alive[k], part_begin[alive[k]] - part_end[alive[k]], k};
+    by_tile[k] = {tid_alive[k], parts.begin[alive[k]] - parts.end[alive[k]], k};
   }
   std::sort(by_tile.begin(), by_tile.end());
-  std::vector<int64_t> perm_pos(n_alive);
-  for (int64_t k = 0; k < n_alive; ++k) perm_pos[k] = by_tile[k].pos;
-  const int64_t num_items = n_alive;
   const int64_t num_tiles = static_cast<int64_t>(used.size());
   for (int64_t k : used) {
-    out.tile_m.push_back(floordiv(k, 65536));
-    out.tile_n.push_back(k - floordiv(k, 65536) * 65536);
+    out.tile_m.push_back(floordiv(k, TileTable::kTileKey));
+    out.tile_n.push_back(k - floordiv(k, TileTable::kTileKey) * TileTable::kTileKey);
   }
-  out.tile_id.resize(num_items);
+  std::vector<int64_t> item_part(n_alive);
+  out.tile_id.resize(n_alive);
   out.tile_indptr.assign(num_tiles + 1, 0);
-  for (int64_t w = 0; w < num_items; ++w) {
-    out.tile_id[w] = static_cast<int32_t>(tid_alive[perm_pos[w]]);
-    ++out.tile_indptr[tid_alive[perm_pos[w]] + 1];
+  for (int64_t w = 0; w < n_alive; ++w) {
+    const int64_t k = by_tile[w].pos;
+    item_part[w] = alive[k];
+    out.tile_id[w] = static_cast<int32_t>(tid_alive[k]);
+    ++out.tile_indptr[tid_alive[k] + 1];
   }
   for (int64_t t = 0; t < num_tiles; ++t) out.tile_indptr[t + 1] += out.tile_indptr[t];
+  return item_part;
+}
 
-  // 5. Pages of each item: its representative request's block-table row.
+// Step 5: each item's KV run and pages (its representative request's block-table row). Returns
+// the KV tokens of all items. Throws PageIdRangeError for a page id the plan reads that is
+// negative or beyond int32.
+int64_t gather_pages(const PlanParams& p, const Parts& parts, const Chunks& chunks,
+                     const std::vector<int64_t>& item_part, PlanResult& out) {
+  const int64_t ps = p.page_size;
+  const int64_t num_items = static_cast<int64_t>(item_part.size());
   out.kv_page_indptr.assign(num_items + 1, 0);
   out.kv_start.resize(num_items);
   out.kv_len.resize(num_items);
-  int64_t total_len = 0;
+  int64_t total_len = 0, total_pages = 0;
   for (int64_t w = 0; w < num_items; ++w) {
-    const int64_t q = alive[perm_pos[w]];
-    const int64_t len = part_end[q] - part_begin[q];
-    out.kv_start[w] = static_cast<int32_t>(part_begin[q]);
+    const int64_t q = item_part[w];
+    const int64_t len = parts.end[q] - parts.begin[q];
+    out.kv_start[w] = static_cast<int32_t>(parts.begin[q]);
     out.kv_len[w] = static_cast<int32_t>(len);
     total_len += len;
+    total_pages += std::max<int64_t>(ceildiv(len, ps), 0);
     out.kv_page_indptr[w + 1] = static_cast<int32_t>(out.kv_page_indptr[w] + ceildiv(len, ps));
   }
-  {
-    int64_t total_pages = 0;
-    for (int64_t w = 0; w < num_items; ++w) {
-      const int64_t q = alive[perm_pos[w]];
-      total_pages += std::max<int64_t>(ceildiv(part_end[q] - part_begin[q], ps), 0);
+  out.kv_pages.clear();
+  out.kv_pages.reserve(total_pages);
+  auto bad_page = [&](int64_t row, int64_t col, int64_t id) {
+    const char* what = id < 0 ? "a negative page id" : "a page id beyond int32 range";
+    return PageIdRangeError("block_table[" + std::to_string(row) + ", " + std::to_string(col) +
+                            "] = " + std::to_string(id) + " is " + what);
+  };
+  for (int64_t w = 0; w < num_items; ++w) {
+    const int64_t q = item_part[w];
+    const int64_t npages = ceildiv(parts.end[q] - parts.begin[q], ps);
+    const int64_t row = chunks.req[parts.chunk[q]];
+    const int64_t col = floordiv(parts.begin[q], ps);
+    if (npages <= 0) continue;
+    if (col < 0 || col + npages > p.cols || row < 0 || row >= p.batch) {
+      throw std::out_of_range("work item reads past the block table");
     }
-    out.kv_pages.clear();
-    out.kv_pages.reserve(total_pages);
-    int64_t max_id = std::numeric_limits<int64_t>::min();
-    for (int64_t w = 0; w < num_items; ++w) {
-      const int64_t q = alive[perm_pos[w]];
-      const int64_t npages = ceildiv(part_end[q] - part_begin[q], ps);
-      const int64_t row = chunk_req[part_chunk[q]];
-      const int64_t col = floordiv(part_begin[q], ps);
-      if (npages <= 0) continue;
-      if (col < 0 || col + npages > p.cols || row < 0 || row >= batch) {
-        throw std::out_of_range("work item reads past the block table");
+    if (p.block_table32 != nullptr) {
+      const int32_t* src = p.block_table32 + row * p.cols + col;
+      const int32_t low = *std::min_element(src, src + npages);
+      if (low < 0) {
+        const int64_t k = std::find_if(src, src + npages, [](int32_t x) { return x < 0; }) - src;
+        throw bad_page(row, col + k, src[k]);
       }
-      if (p.block_table32 != nullptr) {
-        const int32_t* src = p.block_table32 + row * p.cols + col;
-        out.kv_pages.insert(out.kv_pages.end(), src, src + npages);
-      } else {
-        const int64_t* src = p.block_table64 + row * p.cols + col;
-        for (int64_t k = 0; k < npages; ++k) {
-          max_id = std::max(max_id, src[k]);
-          out.kv_pages.push_back(static_cast<int32_t>(src[k]));
+      out.kv_pages.insert(out.kv_pages.end(), src, src + npages);
+    } else {
+      const int64_t* src = p.block_table64 + row * p.cols + col;
+      for (int64_t k = 0; k < npages; ++k) {
+        if (src[k] < 0 || src[k] > std::numeric_limits<int32_t>::max()) {
+          throw bad_page(row, col + k, src[k]);
         }
+        out.kv_pages.push_back(static_cast<int32_t>(src[k]));
       }
-    }
-    if (max_id >= (int64_t{1} << 31)) {
-      throw PageIdRangeError("block_table holds page id " + std::to_string(max_id) +
-                             ", beyond int32 range");
     }
   }
+  return total_len;
+}
 
-  // 6. Query slots in item order.
+// Step 6: query slots in item order.
+void lay_out_slots(const Parts& parts, const Slots& slots, const std::vector<int64_t>& item_part,
+                   PlanResult& out) {
+  const int64_t num_items = static_cast<int64_t>(item_part.size());
+  const int64_t n_pairs = static_cast<int64_t>(parts.pair_slot.size());
   out.q_indptr.assign(num_items + 1, 0);
-  const int64_t n_pairs = static_cast<int64_t>(pair_slot.size());
   out.q_tokens.resize(n_pairs);
   out.q_limit.resize(n_pairs);
-  {
-    int64_t at = 0;
-    for (int64_t w = 0; w < num_items; ++w) {
-      const int64_t q = alive[perm_pos[w]];
-      for (int64_t k = pair_first[q]; k < pair_first[q + 1]; ++k) {
-        const int64_t s = pair_slot[k];
-        out.q_tokens[at] = static_cast<int32_t>(slot_tok[s]);
-        out.q_limit[at] = static_cast<int32_t>(slot_lim[s]);
-        ++at;
-      }
-      out.q_indptr[w + 1] = static_cast<int32_t>(at);
+  int64_t at = 0;
+  for (int64_t w = 0; w < num_items; ++w) {
+    const int64_t q = item_part[w];
+    for (int64_t k = parts.pair_first[q]; k < parts.pair_first[q + 1]; ++k) {
+      const int64_t s = parts.pair_slot[k];
+      out.q_tokens[at] = static_cast<int32_t>(slots.tok[s]);
+      out.q_limit[at] = static_cast<int32_t>(slots.lim[s]);
+      ++at;
     }
+    out.q_indptr[w + 1] = static_cast<int32_t>(at);
   }
+}
 
-  // 7. Partials only for tokens covered by several slots, grouped by token.
+// Step 7: partial rows only for tokens covered by several slots, grouped by token. Returns the
+// number of partial rows.
+int64_t assign_partials(const Parts& parts, const Slots& slots, int64_t num_tokens,
+                        PlanResult& out) {
+  const int64_t n_pairs = static_cast<int64_t>(parts.pair_slot.size());
   int64_t cover_len = std::max<int64_t>(num_tokens, 0);
   for (int64_t k = 0; k < n_pairs; ++k) {
-    cover_len = std::max<int64_t>(cover_len, static_cast<int64_t>(slot_tok[pair_slot[k]]) + 1);
+    cover_len = std::max<int64_t>(cover_len, slots.tok[parts.pair_slot[k]] + 1);
   }
   std::vector<int64_t> cover(cover_len, 0);
   for (int64_t k = 0; k < n_pairs; ++k) ++cover[out.q_tokens[k]];
@@ -765,10 +812,47 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
   out.q_out.resize(n_pairs);
   for (int64_t k = 0; k < n_pairs; ++k) {
     const int32_t t = out.q_tokens[k];
-    out.q_out[k] = cover[t] > 1 ? static_cast<int32_t>(next_row[t]++) : -1;
+    out.q_out[k] = cover[t] > 1 ? static_cast<int32_t>(next_row[t]++) : kQOutOutput;
   }
   out.merge_partials.resize(num_partials);
   std::iota(out.merge_partials.begin(), out.merge_partials.end(), 0);
+  return num_partials;
+}
+
+// packer.pack on the forest in `out.forest` (checked inputs, see build_plan).
+void pack(const PlanParams& p, const std::vector<int64_t>& lens,
+          const std::vector<int64_t>& qo_indptr, PlanResult& out) {
+  const Forest& f = out.forest;
+  const int64_t ps = p.page_size;
+  std::vector<int64_t> qo_len(p.batch);
+  for (int64_t b = 0; b < p.batch; ++b) qo_len[b] = qo_indptr[b + 1] - qo_indptr[b];
+  const TileTable tiles(p);
+  const int64_t max_rows = tiles.max_rows();
+
+  const double split_len = split_length(p, f, lens, qo_len);
+  // Merges are held back from items that would be cut only when every long item is cut.
+  const double hold_len = p.split_target == 0 ? split_len : std::numeric_limits<double>::infinity();
+  Items items;
+  std::vector<int32_t> pq_rows;
+  collect_items(p, f, lens, qo_len, max_rows, hold_len, pq_rows, items);
+
+  const int64_t g = p.num_qo_heads / p.num_kv_heads;
+  const int64_t max_tokens = std::max<int64_t>(1, floordiv(max_rows, g));
+  const int64_t num_tokens = qo_indptr[p.batch];
+  const int64_t n_items = static_cast<int64_t>(items.page_begin.size());
+  std::vector<int64_t> it_begin(n_items);
+  for (int64_t i = 0; i < n_items; ++i) it_begin[i] = items.page_begin[i] * ps;
+
+  Slots slots;
+  query_slots(items, it_begin, lens, qo_indptr, qo_len, num_tokens, slots);
+  Chunks chunks;
+  row_chunks(slots, it_begin, items.token_end, max_tokens, chunks);
+  Parts parts;
+  split_parts(p, tiles, slots, chunks, g, split_len, parts);
+  const std::vector<int64_t> item_part = group_tiles(tiles, parts, g, out);
+  const int64_t total_len = gather_pages(p, parts, chunks, item_part, out);
+  lay_out_slots(parts, slots, item_part, out);
+  const int64_t num_partials = assign_partials(parts, slots, num_tokens, out);
 
   out.kv_bytes = p.kv_bytes(total_len);
   out.partial_bytes = p.partial_bytes(num_partials);
@@ -783,16 +867,18 @@ void pack(const PlanParams& p, const std::vector<int64_t>& lens,
 // LEAF_TILE_TOKENS, MAX_FINISH_OTHERS, FINISH_MAX_PAIRS_PER_WARP and FINISH_MIN_TILES_PER_PAIR
 // (tests/test_native_plan.py compares the two implementations).
 constexpr int64_t kLeafTileTokens = 16;
-constexpr int64_t kMaxFinishOthers = 15;
+constexpr int64_t kMaxFinishOthers = kFinishRadix - 1;
 constexpr int64_t kFinishMaxPairsPerWarp = 2;
 constexpr int64_t kFinishMinTilesPerPair = 8;
-constexpr int64_t kLeafRows = 16;
+constexpr int64_t kLeafRows = kVariantRows[0];
 
 void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
   out.num_finished = 0;
   const int64_t m_count = static_cast<int64_t>(out.merge_tokens.size());
   const int64_t num_items = static_cast<int64_t>(out.kv_len.size());
-  if (m_count == 0 || static_cast<int64_t>(out.merge_partials.size()) >= (int64_t{1} << 27)) return;
+  if (m_count == 0 || static_cast<int64_t>(out.merge_partials.size()) >= kFinishMaxPartials) {
+    return;
+  }
   std::vector<char> leaf(static_cast<size_t>(num_items), 0);
   int64_t leaf_items = 0, leaf_tiles = 0;
   for (int64_t w = 0; w < num_items; ++w) {
@@ -805,7 +891,8 @@ void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
   if (leaf_items == 0) return;
   const int64_t pairs = leaf_items * p.num_kv_heads;
   const int64_t tiles = leaf_tiles * p.num_kv_heads;
-  if (pairs > kFinishMaxPairsPerWarp * p.finish_leaf_warps && tiles < kFinishMinTilesPerPair * pairs) {
+  if (pairs > kFinishMaxPairsPerWarp * p.finish_leaf_warps &&
+      tiles < kFinishMinTilesPerPair * pairs) {
     return;
   }
   std::vector<int64_t> tok2m(static_cast<size_t>(num_tokens), -1);
@@ -843,7 +930,8 @@ void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
       tokens.push_back(out.merge_tokens[m]);
       const int32_t b = out.merge_indptr[m], e = out.merge_indptr[m + 1];
       if (!pass) {
-        partials.insert(partials.end(), out.merge_partials.begin() + b, out.merge_partials.begin() + e);
+        partials.insert(partials.end(), out.merge_partials.begin() + b,
+                        out.merge_partials.begin() + e);
       } else {
         const int64_t s = leaf_slot[m];
         const int32_t own = out.q_out[s];
@@ -854,7 +942,7 @@ void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
           if (out.merge_partials[i] == own) partials.push_back(own);
         }
         const int64_t j = static_cast<int64_t>(partials.size()) - 1;  // the own row's position
-        out.q_out[s] = static_cast<int32_t>(-2 - (16 * j + (e - b - 1)));
+        out.q_out[s] = static_cast<int32_t>(kQOutFinishBase - (kFinishRadix * j + (e - b - 1)));
       }
       indptr.push_back(static_cast<int32_t>(partials.size()));
     }
@@ -863,6 +951,79 @@ void finish_in_leaf(const PlanParams& p, int64_t num_tokens, PlanResult& out) {
   out.merge_indptr.swap(indptr);
   out.merge_partials.swap(partials);
   out.num_finished = count;
+}
+
+// The tile table must give every item a positive height (heights divide row counts) and keep
+// the tile keys m * 65536 + n apart.
+void check_tile_table(const PlanParams& p) {
+  if (p.m_sizes.empty() || p.n_bounds.empty() || p.n_sizes.size() != p.n_bounds.size()) {
+    throw std::invalid_argument("tile table needs m sizes and matching n bounds and sizes");
+  }
+  for (size_t i = 0; i < p.m_sizes.size(); ++i) {
+    const int64_t m = p.m_sizes[i];
+    if (m <= 0 || m > std::numeric_limits<int32_t>::max() || (i > 0 && m <= p.m_sizes[i - 1])) {
+      throw std::invalid_argument("tile table m sizes must be positive and ascending, got m[" +
+                                  std::to_string(i) + "] = " + std::to_string(m));
+    }
+  }
+  for (size_t i = 0; i < p.n_sizes.size(); ++i) {
+    const int64_t n = p.n_sizes[i];
+    if (n <= 0 || n >= TileTable::kTileKey) {
+      throw std::invalid_argument("tile table n sizes must lie in [1, 65535], got n[" +
+                                  std::to_string(i) + "] = " + std::to_string(n));
+    }
+    if (i > 0 && p.n_bounds[i] < p.n_bounds[i - 1]) {
+      throw std::invalid_argument("tile table n bounds must be ascending");
+    }
+  }
+}
+
+// Lengths and query layout the plan arrays can hold (int32 positions and token indices), as
+// PrefixAttention.plan checks them.
+void check_lengths(const PlanParams& p, const std::vector<int64_t>& lens,
+                   const std::vector<int64_t>& qo_indptr) {
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (qo_indptr[0] < 0) throw std::invalid_argument("qo_indptr must not start below 0");
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (lens[b] < 0 || lens[b] > kInt32Max) {
+      throw std::invalid_argument("seq_lens[" + std::to_string(b) +
+                                  "] = " + std::to_string(lens[b]) +
+                                  (lens[b] < 0 ? " is negative" : " is beyond int32 range"));
+    }
+    const int64_t qo_len = qo_indptr[b + 1] - qo_indptr[b];
+    if (qo_len < 0) {
+      throw std::invalid_argument("qo_indptr is decreasing at request " + std::to_string(b));
+    }
+    if (qo_len > lens[b]) {
+      throw std::invalid_argument("qo_indptr gives request " + std::to_string(b) + " " +
+                                  std::to_string(qo_len) + " new tokens but seq_lens[" +
+                                  std::to_string(b) + "] is " + std::to_string(lens[b]) +
+                                  "; seq_lens must include the new tokens");
+    }
+  }
+  if (qo_indptr[p.batch] > kInt32Max) {
+    throw std::invalid_argument("qo_indptr holds " + std::to_string(qo_indptr[p.batch]) +
+                                " query tokens, beyond int32 range");
+  }
+}
+
+// Each request's length in the forest (0: left out) and the first page id of its row.
+void forest_inputs(const PlanParams& p, const std::vector<int64_t>& lens,
+                   const std::vector<int64_t>& qo_indptr, std::vector<int64_t>& forest_lens,
+                   std::vector<int64_t>& first_page) {
+  forest_lens.assign(lens.begin(), lens.end());
+  if (p.forest_skips_idle) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      if (qo_indptr[b + 1] - qo_indptr[b] <= 0) forest_lens[b] = 0;
+    }
+  }
+  first_page.assign(p.batch, 0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (forest_lens[b] > 0 && p.cols > 0) {
+      first_page[b] =
+          p.block_table32 != nullptr ? p.block_table32[b * p.cols] : p.block_table64[b * p.cols];
+    }
+  }
 }
 
 }  // namespace
@@ -874,21 +1035,26 @@ void build_plan(const PlanParams& p, PlanResult& out, bool reuse_forest) {
   }
   if (p.batch < 0 || p.cols < 0) throw std::invalid_argument("bad block_table shape");
   if (p.page_size <= 0) throw std::invalid_argument("page_size must be positive");
+  if (p.num_kv_heads <= 0 || p.num_qo_heads <= 0) {
+    throw std::invalid_argument("head counts must be positive");
+  }
+  if (p.split_target < 0) throw std::invalid_argument("split_target must be >= 0");
+  check_tile_table(p);
   std::vector<int64_t> lens(p.seq_lens, p.seq_lens + p.batch);
   std::vector<int64_t> qo_indptr(p.qo_indptr, p.qo_indptr + p.batch + 1);
-  if (qo_indptr[0] < 0) throw std::invalid_argument("qo_indptr must not start below 0");
-  for (int64_t b = 0; b < p.batch; ++b) {
-    if (qo_indptr[b + 1] < qo_indptr[b]) {
-      throw std::invalid_argument("qo_indptr is decreasing at request " + std::to_string(b));
+  check_lengths(p, lens, qo_indptr);
+  std::vector<int64_t> forest_lens, first_page;
+  forest_inputs(p, lens, qo_indptr, forest_lens, first_page);
+  Forest& f = out.forest;
+  if (reuse_forest) {
+    // A forest of other lengths, idle requests or first pages than this call's is stale.
+    if (f.built_cols != p.cols || f.page_size != p.page_size || f.built_lens != forest_lens ||
+        f.built_first_page != first_page) {
+      throw std::invalid_argument(
+          "reuse_forest: the kept forest was built from another block table, seq_lens or "
+          "qo_indptr (or another page size); build without reuse_forest");
     }
-  }
-  if (!reuse_forest) {
-    std::vector<int64_t> forest_lens(lens.begin(), lens.end());
-    if (p.forest_skips_idle) {
-      for (int64_t b = 0; b < p.batch; ++b) {
-        if (qo_indptr[b + 1] - qo_indptr[b] <= 0) forest_lens[b] = 0;
-      }
-    }
+  } else {
     // The forest compares page ids as int32 (wider ids wrap, as the Python cast does).
     std::vector<int32_t> narrowed;
     const int32_t* table = p.block_table32;
@@ -899,7 +1065,10 @@ void build_plan(const PlanParams& p, PlanResult& out, bool reuse_forest) {
       }
       table = narrowed.data();
     }
-    build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, out.forest);
+    build_forest(table, p.batch, p.cols, forest_lens.data(), p.page_size, f);
+    f.built_lens.swap(forest_lens);
+    f.built_first_page.swap(first_page);
+    f.built_cols = p.cols;
   }
   pack(p, lens, qo_indptr, out);
   if (p.finish_leaf_warps > 0) finish_in_leaf(p, qo_indptr[p.batch], out);
@@ -917,6 +1086,9 @@ void Forest::clear() {
     v->clear();
   }
   token_end.clear();
+  built_lens.clear();
+  built_first_page.clear();
+  built_cols = -1;
 }
 
 void PlanResult::clear(bool keep_forest) {

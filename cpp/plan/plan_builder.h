@@ -44,7 +44,9 @@ struct PlanParams {
   int64_t head_dim = 128;
   int64_t elem_bytes = 2;
   // K and V bytes of `tokens` KV positions (packer.BatchShape.kv_bytes).
-  int64_t kv_bytes(int64_t tokens) const { return tokens * 2 * num_kv_heads * head_dim * elem_bytes; }
+  int64_t kv_bytes(int64_t tokens) const {
+    return tokens * 2 * num_kv_heads * head_dim * elem_bytes;
+  }
   // A partial row's o (cache dtype) and fp32 log-sum-exp for `rows` rows, written once and read
   // once (packer.BatchShape.partial_bytes).
   int64_t partial_bytes(int64_t rows) const {
@@ -87,6 +89,13 @@ struct Forest {
   std::vector<int32_t> children_indptr;
   std::vector<int32_t> children;
 
+  // What build_plan built the forest from, checked when a later call reuses it: each
+  // request's length in the forest (0: left out), the first page id of its row (0 for a
+  // request left out) and the block table's columns.
+  std::vector<int64_t> built_lens;
+  std::vector<int64_t> built_first_page;
+  int64_t built_cols = -1;
+
   int64_t num_nodes() const { return static_cast<int64_t>(parent.size()); }
   void clear();  // empties every array, keeping its capacity
 };
@@ -114,7 +123,8 @@ struct PlanResult {
   int64_t num_partials = 0;
   int64_t num_finished = 0;  // merged tokens the leaf launch finishes (the last of merge_tokens)
 
-  void clear(bool keep_forest = false);  // empties every array (but the forest's), keeping its capacity
+  void clear(
+      bool keep_forest = false);  // empties every array (but the forest's), keeping its capacity
 };
 
 // build_forest(block_table, lens, page_size) on a row-major int32 table.

@@ -1,4 +1,4 @@
-// prefixattn::build_plan: the host plan builder (plan_builder.h) as a CPU torch op.
+// prefixattn::build_plan: the host plan builder (cpp/plan/plan_builder.h) as a CPU torch op.
 //
 // Returns three CPU tensors:
 //   ints:     int32, the int32 arrays of the forest and the plan except kv_pages,
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "plan_builder.h"
+#include "plan/plan_builder.h"
 
 namespace prefixattn {
 namespace plan {
@@ -87,8 +87,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   p.m_sizes.assign(m_sizes.begin(), m_sizes.end());
   p.n_bounds.assign(n_bounds.begin(), n_bounds.end());
   p.n_sizes.assign(n_sizes.begin(), n_sizes.end());
-  TORCH_CHECK_VALUE(wide_rows >= 0 && wide_kv_len >= 0, "build_plan: wide_rows and wide_kv_len "
-                    "must be >= 0, got ", wide_rows, " and ", wide_kv_len);
+  TORCH_CHECK_VALUE(wide_rows >= 0 && wide_kv_len >= 0,
+                    "build_plan: wide_rows and wide_kv_len "
+                    "must be >= 0, got ",
+                    wide_rows, " and ", wide_kv_len);
   p.wide_rows = wide_rows;
   p.wide_kv_len = wide_kv_len;
   p.split_kv = split_kv;
@@ -116,8 +118,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   };
   static thread_local ForestKey last;
   static thread_local bool have_last = false;
-  const ForestKey key{block_table.data_ptr(), seq_lens.data_ptr(), qo_indptr.data_ptr(), batch,
-                      p.cols, page_size, table.scalar_type() == at::kLong, forest_skips_idle};
+  const ForestKey key{block_table.data_ptr(),
+                      seq_lens.data_ptr(),
+                      qo_indptr.data_ptr(),
+                      batch,
+                      p.cols,
+                      page_size,
+                      table.scalar_type() == at::kLong,
+                      forest_skips_idle};
   const bool reuse = reuse_forest && have_last && key == last;
   have_last = false;  // until this call has built its forest
   try {

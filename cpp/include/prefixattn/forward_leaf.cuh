@@ -1,6 +1,6 @@
 // The leaf kernel: the 16-row variant (items of at most 16 query rows per KV head: decode
 // tokens of a GQA group, short speculative runs, small shared nodes) on tensor cores, one warp
-// per (item, KV head) pair. Torch-free, like decode_kernels.cuh.
+// per (item, KV head) pair. Torch-free.
 //
 // Why a kernel of its own: a leaf item has few query rows (4 for one decode token at group 4)
 // and is bound by the bytes of its KV. The 16-row tile of forward_mma_kernel computes 16 rows
@@ -11,9 +11,9 @@
 // (half of the 16-row tile's), holds O^T in D / 4 registers (half), and needs no other warp:
 //
 // - Warp-independent streams. Each warp walks its own (item, KV head) pairs, KV head
-//   fastest, with a grid stride over all warps of the launch. Its 32 lanes copy its head's KV into the
-//   warp's own STAGES shared-memory stages (16 tokens per stage, cp.async, zero-filled past
-//   the item's end so that masked keys carry V = 0), and the warp waits on its own copies
+//   fastest, with a grid stride over all warps of the launch. Its 32 lanes copy its head's KV into
+//   the warp's own STAGES shared-memory stages (16 tokens per stage, cp.async, zero-filled past the
+//   item's end so that masked keys carry V = 0), and the warp waits on its own copies
 //   (cp.async.wait_group + __syncwarp): there is no block barrier anywhere. The copies run
 //   STAGES - 1 tiles ahead of the math across pair boundaries; the copier fetches a pair's KV
 //   length and page offset two pairs ahead, and the math side's loads of a pair (descriptor,
@@ -31,7 +31,7 @@
 //   each 8-dim half of every 16-dim block.
 #pragma once
 
-#include "prefixattn/decode_kernels.cuh"
+#include "prefixattn/work.cuh"
 
 namespace prefixattn {
 
@@ -55,12 +55,6 @@ constexpr int forward_leaf_smem_bytes() {
 }
 
 namespace detail {
-
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
 
 // A warp's stream of (item, KV head) pairs of the 16-row variant: pair w = idx * num_kv_heads
 // + head (head fastest, so the 4 warps of a block usually take 4 KV heads of one item and read
@@ -108,7 +102,8 @@ struct LeafCopier {
   int next_len, next_page0;    // of the pair after pos
   int next2_len, next2_page0;  // of the pair after that
   int tok0, col;
-  uint32_t colx;  // bytes: this lane's chunk swizzled by tok0 (rows tok0 + i * kStep add (i * kStep) % 8)
+  uint32_t colx;  // bytes: this lane's chunk swizzled by tok0 (rows tok0 + i * kStep add (i *
+                  // kStep) % 8)
   // The KV is streamed evict-first when the plan has other launches or a merge: the leaf
   // pairs read their pages once, and the L2 is left to the partial rows and the pages that
   // row chunks share (docs/kernel-notes.md v45). A plan of leaf pairs alone keeps the default
@@ -127,9 +122,10 @@ struct LeafCopier {
     dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(warp_smem + tok0 * kRow));
     pos = r.first(static_cast<int>(blockIdx.x) * kLeafWarps + static_cast<int>(threadIdx.x >> 5));
     tile = stage = 0;
-    evict_first = p.host_range ? !p.range_leaf_alone
-                               : p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
-                                     p.counts[kCountMergeTokens] > 0;
+    evict_first = p.host_range
+                      ? !p.range_leaf_alone
+                      : p.counts[kVariantBase + kNumVariants] > p.counts[kVariantBase + 1] ||
+                            p.counts[kCountMergeTokens] > 0;
     done = pos.w >= r.total;
     if (!done) {
       const int item = r.begin + pos.idx;
@@ -188,8 +184,10 @@ struct LeafCopier {
         const int ps = pos0 + i * kStep;
         const int slot = p.page_shift >= 0 ? ps & (p.page_size - 1) : p.page_div.mod(ps);
         const uint32_t page = static_cast<uint32_t>(single ? pg[0] : pg[i]);
-        const T* ks = k_base + (static_cast<uint64_t>(page) * spk + static_cast<uint32_t>(slot * stk));
-        const T* vs = v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
+        const T* ks =
+            k_base + (static_cast<uint64_t>(page) * spk + static_cast<uint32_t>(slot * stk));
+        const T* vs =
+            v_base + (static_cast<uint64_t>(page) * spv + static_cast<uint32_t>(slot * stv));
         const uint32_t off = static_cast<uint32_t>(i * kStep * kRow * sizeof(T)) +
                              (colx ^ static_cast<uint32_t>(((i * kStep) & 7) * 16));
         const bool valid = ps < kv_len;
@@ -236,9 +234,9 @@ struct LeafDesc {
 template <typename T, int D>
 struct LeafRows {
   static constexpr int kKC = D / 16;
-  int lim[2];          // keys rows r0 + 2t, r0 + 2t + 1 see (0 past the pair's rows)
-  int dst, tok, head;  // row r0 + g: slot_dst, token, query head; tok < 0: none
-  int other;           // dst <= -2 (the row finishes its token): the first other partial row
+  int lim[2];           // keys rows r0 + 2t, r0 + 2t + 1 see (0 past the pair's rows)
+  int dst, tok, head;   // row r0 + g: slot_dst, token, query head; tok < 0: none
+  int other;            // dst <= -2 (the row finishes its token): the first other partial row
   uint32_t qb[kKC][2];  // q^T B fragments of row r0 + g
 
   // Everything but the q fragments: one round of independent loads (the pair's descriptor
@@ -513,8 +511,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 // registers, 68 KB of shared memory with the reserve): 12 warps, each a tile ahead, for plans
 // of short pairs (v53).
 template <typename T, int D, int STAGES, int NC_MAX>
-__global__ void __launch_bounds__(kLeafWarps * 32,
-                                  D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
+__global__ void __launch_bounds__(kLeafWarps * 32, D <= 64 || (NC_MAX == 1 && STAGES == 2) ? 3 : 2)
     forward_leaf_kernel(const ForwardParams p) {
   using namespace detail;
   const ChainLink chain(p);

@@ -1,6 +1,6 @@
 // Warpgroup (`wgmma`) forward for the 128-row query tiles (variant 3) of head_dim 64 and 128
 // and, with one consumer warpgroup, the 64-row tiles (variant 2) of head_dim 128.
-// Torch-free, sm_90a only. Same plan and pairs as forward_mma_kernel (decode_kernels.cuh); the
+// Torch-free, sm_90a only. Same plan and pairs as forward_mma_kernel (forward_mma.cuh); the
 // block is warp-specialized.
 //
 // Block: 128 (1 + CWG) threads. Warpgroup 0 is the producer: it streams the KV tiles of the
@@ -28,162 +28,11 @@
 // consecutive threads fill one 128-byte row, conflict-free.
 #pragma once
 
-#include "prefixattn/decode_kernels.cuh"
+#include "prefixattn/forward_mma.cuh"
 
 namespace prefixattn {
+
 namespace detail {
-
-// D (+)= A B for one warpgroup: A (64 x 16) from registers in the mma.sync A-fragment layout
-// of each warp's 16 rows, B (16 x N) through a shared-memory descriptor, TNSP = 1 when B is
-// MN-major. d holds N / 2 fp32 accumulators per thread (n8 block j at d[4 j .. 4 j + 3]).
-// scale_d = 0 overwrites D.
-template <typename T, int N, int TNSP>
-struct Wgmma;
-// One specialization per (type, N): the PTX instruction names the operand type and the
-// accumulator count, so each shape is written once for both types.
-#define PREFIXATTN_WGMMA_M64N64K16(CTYPE, PTX)  \
-template <int TNSP>  \
-struct Wgmma<CTYPE, 64, TNSP> {  \
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,  \
-                                             int scale_d) {  \
-    asm volatile(  \
-    "{\n.reg .pred p;\n"  \
-    "setp.ne.b32 p, %37, 0;\n"  \
-    "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "  \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
-    "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"  \
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),  \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),  \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),  \
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),  \
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));  \
-  }  \
-};
-#define PREFIXATTN_WGMMA_M64N128K16(CTYPE, PTX)  \
-template <int TNSP>  \
-struct Wgmma<CTYPE, 128, TNSP> {  \
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc,  \
-                                             int scale_d) {  \
-    asm volatile(  \
-    "{\n.reg .pred p;\n"  \
-    "setp.ne.b32 p, %69, 0;\n"  \
-    "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " "  \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
-    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
-    "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
-    "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"  \
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),  \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),  \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),  \
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),  \
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),  \
-      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),  \
-      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),  \
-      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),  \
-      "+f"(d[62]), "+f"(d[63])  \
-    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TNSP));  \
-  }  \
-};
-PREFIXATTN_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
-PREFIXATTN_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
-PREFIXATTN_WGMMA_M64N64K16(half, "f16")
-PREFIXATTN_WGMMA_M64N128K16(half, "f16")
-#undef PREFIXATTN_WGMMA_M64N64K16
-#undef PREFIXATTN_WGMMA_M64N128K16
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Makes this thread's generic-proxy writes to shared memory (cp.async copies) visible to the
-// async proxy (wgmma operand reads).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
-// fence or wait.
-template <int N>
-__device__ __forceinline__ void pin_registers(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-// Shared-memory matrix descriptor with the 128-byte swizzle (layout type 1 in bits 62-63):
-// start address, leading and stride byte offsets, each in 16-byte units (PTX ISA, "Matrix
-// Descriptor Format"); base offset 0, since every atom is 1024-byte aligned.
-__device__ __forceinline__ uint64_t smem_desc_sw128(const void* smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-// The descriptors of one operand over all stages and k steps, formed once: the start address
-// is the low 14 bits of the low word (address / 16; shared memory stays below 256 KB), so the
-// descriptor of a location `off16` 16-byte units past the base is the base plus off16, one
-// 32-bit add (no carry leaves the address field).
-struct SmemDescBase {
-  uint32_t lo, hi;
-  __device__ __forceinline__ SmemDescBase(const void* smem, uint32_t lbo, uint32_t sbo) {
-    const uint64_t d = smem_desc_sw128(smem, lbo, sbo);
-    lo = static_cast<uint32_t>(d);
-    hi = static_cast<uint32_t>(d >> 32);
-  }
-  __device__ __forceinline__ uint64_t at(uint32_t off16) const {
-    return (static_cast<uint64_t>(hi) << 32) | (lo + off16);
-  }
-};
-
-// mbarrier phases (shared::cta): init, plain arrive, and a wait on the phase of a given parity.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Returns once the phase of parity `parity` has completed (for a fresh barrier, parity 1 names
-// the phase before its first, which counts as completed).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-  const uint32_t addr = smem_u32(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// An arrival on `bar` once every cp.async this thread has issued so far has landed (the
-// thread goes on at once; .noinc: the arrival counts against the barrier's expected count).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
-               : "memory");
-}
-// Warpgroup register budgets of the warp-specialized kernel (setmaxnreg: all warps of the
-// warpgroup execute it).
-template <int N>
-__device__ __forceinline__ void regs_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void regs_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // Page ids of a pair that the `wgmma` producer keeps in shared memory (the first 512: 32768
 // tokens at page size 64, 8192 at 16, 512 at 1; later ones come from global memory).
@@ -242,10 +91,10 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
   constexpr int kProducerThreads = 128;
   static_assert(CWG == 1 || CWG == 2, "one or two consumer warpgroups");
   constexpr int kConsumerWarps = 4 * CWG;
-  constexpr int kChunks = D / 8;            // 16-byte chunks (8-dim core matrices) per key
-  constexpr int kKC = D / 16;               // k16 steps of q.k
-  constexpr int kTileElems = kTileN * D;    // one K or V tile
-  constexpr int kAtomElems = kTileN * 64;   // one [64 keys][64 dims] atom
+  constexpr int kChunks = D / 8;           // 16-byte chunks (8-dim core matrices) per key
+  constexpr int kKC = D / 16;              // k16 steps of q.k
+  constexpr int kTileElems = kTileN * D;   // one K or V tile
+  constexpr int kAtomElems = kTileN * 64;  // one [64 keys][64 dims] atom
   static_assert(kTileN == 64, "the swizzle atoms hold 64 keys");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // full[s]: stage s holds its tile (one arrival per producer thread, after its copies landed).
@@ -269,13 +118,13 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     // ---- producer warpgroup: streams the block's KV tiles into the stages. Thread tid copies
     // chunk tid % kChunks of keys tid / kChunks + i kLdStep into the swizzled layout (eight
     // consecutive threads fill one 128-byte row). Each thread's copies of a tile arrive on its
-    // "full" barrier as they land (or, with async_full off, once the next tile is issued).
+    // "full" barrier as they land.
     regs_dec<kWgmmaProducerRegs<CWG, KSTEP>>();
     constexpr int kLdStep = kProducerThreads / kChunks;
     constexpr int kLdRows = kTileN / kLdStep;
     static_assert(kLdStep % 8 == 0, "a thread's rows share their swizzle");
     // Both consumer warpgroups compute every key of a tile; the pair's page ids are staged in
-    // shared memory when p.smem_pages is set.
+    // shared memory.
     KvCopier<T, kLdRows, kTileN, /*kEvictFirst=*/false, /*kSmemPages=*/true> cp;
     cp.row0 = tid / kChunks;
     cp.step = kLdStep;
@@ -285,47 +134,24 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
       cp.dst0 = (ch >> 3) * kAtomElems + cp.row0 * 64 + (((ch & 7) ^ (cp.row0 & 7)) << 3);
       cp.dst_step = kLdStep * 64;
     }
-    if (p.smem_pages) {
-      cp.spg = reinterpret_cast<int32_t*>(kv_s + STAGES * 2 * kTileElems);
-      cp.spg_cap = kWgmmaPageIds;
-      cp.spg_threads = kProducerThreads;
-    }
+    cp.spg = reinterpret_cast<int32_t*>(kv_s + STAGES * 2 * kTileElems);
+    cp.spg_cap = kWgmmaPageIds;
+    cp.spg_threads = kProducerThreads;
     cp.start(p, range);
-    int phase = 0, landing = -1;  // `landing`: the stage whose copies are in flight
-    if (p.async_full) {
-      // Each thread's copies of a stage signal "full" as they land
-      // (cp.async.mbarrier.arrive), so the producer runs ahead as far as the "empty" barriers
-      // let it: up to STAGES tiles in flight (docs/kernel-notes.md v59). The consumers fence
-      // the landed bytes for the async proxy after their wait.
-      while (!cp.done) {
-        const int st = cp.stage;
-        mbar_wait(&empty_bar[st], phase ^ 1);
-        cp.template issue<D, STAGES, kProducerThreads>(p, range, k_stage(0), v_stage(0),
-                                                       2 * kTileElems);
-        cp_async_mbar_arrive(&full_bar[st]);
-        if (cp.stage == 0) phase ^= 1;
-      }
-      cp_async_wait<0>();
-      return;
-    }
-    // Otherwise a stage is signalled full once the next stage's copies are issued and its own
-    // have landed: two tiles in flight.
+    int phase = 0;
+    // Each thread's copies of a stage signal "full" as they land (cp.async.mbarrier.arrive), so
+    // the producer runs ahead as far as the "empty" barriers let it: up to STAGES tiles in
+    // flight (docs/kernel-notes.md v59). The consumers fence the landed bytes for the async
+    // proxy after their wait.
     while (!cp.done) {
       const int st = cp.stage;
       mbar_wait(&empty_bar[st], phase ^ 1);
       cp.template issue<D, STAGES, kProducerThreads>(p, range, k_stage(0), v_stage(0),
                                                      2 * kTileElems);
-      if (landing >= 0) {
-        cp_async_wait<1>();
-        fence_proxy_async_smem();
-        mbar_arrive(&full_bar[landing]);
-      }
-      landing = st;
+      cp_async_mbar_arrive(&full_bar[st]);
       if (cp.stage == 0) phase ^= 1;
     }
     cp_async_wait<0>();
-    fence_proxy_async_smem();
-    mbar_arrive(&full_bar[landing]);
     return;
   }
 
@@ -400,8 +226,9 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
       auto issue_pv = [&]() {
 #pragma unroll
         for (int kc = 0; kc < kKeys / 16; ++kc)
-          Wgmma<T, D, 1>::run(o, pa[kc],
-                              vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)), 1);
+          Wgmma<T, D, 1>::run(
+              o, pa[kc], vdesc.at(static_cast<uint32_t>(pv_st[kc / 4]) * kStage16 + v_off(kc % 4)),
+              1);
         wgmma_commit();
       };
       // The pending P V issued and landed, its stages released.
@@ -445,7 +272,8 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
             const uint32_t st16 = static_cast<uint32_t>(st[h]) * kStage16;
 #pragma unroll
             for (int kc = 0; kc < kKC; ++kc)
-              Wgmma<T, kTileN, 0>::run(s + h * (kTileN / 2), qa[kc], kdesc.at(st16 + k_off(kc)), kc > 0);
+              Wgmma<T, kTileN, 0>::run(s + h * (kTileN / 2), qa[kc], kdesc.at(st16 + k_off(kc)),
+                                       kc > 0);
           }
           wgmma_commit();
           if constexpr (kOverlapPV) {
@@ -461,8 +289,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
           // scale is folded into the exponent (one FFMA per score). Otherwise the scores are
           // scaled here, masked keys set to -inf, and the exponent's factor is 1.
           const int b0 = lim0 - base, b1 = lim1 - base;
-          const bool fold =
-              __all_sync(0xffffffffu, min(b0, b1) >= kKeys) && p.scale_log2 > 0.f;
+          const bool fold = __all_sync(0xffffffffu, min(b0, b1) >= kKeys) && p.scale_log2 > 0.f;
           float sc = p.scale_log2;
           if (!fold) {
 #pragma unroll
@@ -557,8 +384,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
       consume(WgmmaKeyStep<1>{});
     if (has_next) nrs.load(p, nxt, r0);
 
-    if (cw * 16 < num_rows)
-      store_rows<T, D>(p, lane, rs, num_rows, r0, o, m0, m1, l0, l1);
+    if (cw * 16 < num_rows) store_rows<T, D>(p, lane, rs, num_rows, r0, o, m0, m1, l0, l1);
   }
 }
 
