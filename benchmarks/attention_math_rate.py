@@ -5,7 +5,7 @@ FLOPs at the rate of a large bf16 matmul. This script measures how that rate com
 dense attention kernel's: FlashInfer's single prefill (FlashAttention-3 backend on Hopper,
 non-causal, bf16, head_dim 128, GQA) on a long query block, next to an n x n x n matmul.
 
-    python benchmarks/attention_math_rate.py [--qo-len 4096] [--kv-len 8192] [--heads 64,8]
+    python benchmarks/attention_math_rate.py [--qo-len 4096] [--kv-len 8192] [--heads 64/8]
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from prefixattn.workloads import parse_heads
 
 
 def _time_ms(torch, fn, iters: int) -> float:
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qo-len", type=int, default=4096)
     ap.add_argument("--kv-len", type=int, default=8192)
-    ap.add_argument("--heads", default="64,8", help="num_qo_heads,num_kv_heads")
+    ap.add_argument("--heads", default="64/8", help="QO/KV heads, e.g. 64/8")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--matmul-n", type=int, default=8192)
     ap.add_argument("--backends", nargs="+", default=["fa3", "fa2"])
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("attention_math_rate: needs a CUDA GPU", file=sys.stderr)
         return 1
-    hq, hkv = (int(x) for x in args.heads.split(","))
+    hq, hkv = parse_heads(args.heads)
     d, n = args.head_dim, args.matmul_n
     res: dict = {"device": torch.cuda.get_device_name(), "qo_len": args.qo_len,
                  "kv_len": args.kv_len, "heads": [hq, hkv], "head_dim": d}  # fmt: skip

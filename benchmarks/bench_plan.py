@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 from prefixattn import PrefixAttention, build_forest, tree_batch
-from prefixattn.api import DEFAULT_SPLIT_TARGET
-from prefixattn.native_plan import build_plan_native, native_plan_available
-from prefixattn.packer import PACKINGS, pack
+from prefixattn.attention import DEFAULT_SPLIT_TARGET
+from prefixattn.plan.native import build_plan_native
+from prefixattn.plan.packing import PACKINGS, pack
+from prefixattn.runtime.library import native_plan_available
+from prefixattn.workloads import parse_heads
 
 
 def _times(fn: Callable[[], object], repeat: int) -> np.ndarray:
@@ -101,11 +103,11 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="16,1")
     parser.add_argument("--repeat", type=int, default=300)
     parser.add_argument("--packing", default="memory", choices=PACKINGS)
-    parser.add_argument("--heads", default="32/8")
+    parser.add_argument("--heads", default="32/8", help="QO/KV heads, e.g. 32/8")
     args = parser.parse_args()
     if not native_plan_available():
         raise SystemExit("the compiled prefixattn library (build_plan op) is not available")
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    hq, hkv = parse_heads(args.heads)
     print(f"tree {args.tree}, heads {hq}/{hkv}, head_dim 128, packing {args.packing}, "
           f"split on; microseconds, median (min, p90) of {args.repeat}")  # fmt: skip
     for ps in (int(x) for x in args.page_sizes.split(",")):

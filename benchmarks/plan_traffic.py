@@ -22,6 +22,7 @@ import torch
 
 from prefixattn import PrefixAttention, tree_batch
 from prefixattn.bench import HEADS, PAGE1_TREES, PAT_TREES, plan_traffic, suite_configs
+from prefixattn.workloads import parse_heads
 
 
 def _geo(xs: list[float]) -> float:
@@ -45,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--result", type=Path, help="a bench_attention.py JSON to compare with")
     ap.add_argument("--trees", nargs="*", default=list(PAT_TREES))
-    ap.add_argument("--heads", nargs="*", default=[f"{a},{b}" for a, b in HEADS])
+    ap.add_argument("--heads", nargs="*", default=[f"{a}/{b}" for a, b in HEADS],
+                    help="QO/KV head pairs, e.g. 32/8")  # fmt: skip
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--page1-trees", nargs="*", default=list(PAGE1_TREES))
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args(argv)
-    heads = [tuple(map(int, h.split(","))) for h in args.heads]
-    table = rows(args.trees, heads, args.page_size, args.page1_trees, args.head_dim)  # type: ignore[arg-type]
+    heads = [parse_heads(h) for h in args.heads]
+    table = rows(args.trees, heads, args.page_size, args.page1_trees, args.head_dim)
     measured: dict[tuple, float] = {}
     if args.result is not None:
         for r in json.loads(args.result.read_text())["rows"]:

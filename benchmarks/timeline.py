@@ -3,7 +3,7 @@ and ends, relative to the call's first kernel (torch profiler, L2 flushed and a 
 before each call, as in the benchmark's timer). Shows how the launches of a call overlap
 (chained launches) and which one ends last.
 
-    python benchmarks/timeline.py --trees 1,256_256,32 1,2,64_1024,256,256 --heads 32,8
+    python benchmarks/timeline.py --trees 1,256_256,32 1,2,64_1024,256,256 --heads 32/8
 """
 
 import argparse
@@ -12,9 +12,10 @@ import math
 import torch
 
 import prefixattn
-from prefixattn import _ops
 from prefixattn.bench import _short_kernel_name, _Timer, profile_kernel_events, split_calls
-from prefixattn.workloads import tree_batch
+from prefixattn.runtime.buffers import Workspace
+from prefixattn.runtime.launch import run_plan
+from prefixattn.workloads import parse_heads, tree_batch
 
 
 def timeline(timer: _Timer, spec: str, hq: int, hkv: int, ps: int, d: int, calls: int) -> None:
@@ -26,11 +27,11 @@ def timeline(timer: _Timer, spec: str, hq: int, hkv: int, ps: int, d: int, calls
     out = torch.empty_like(q)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=torch.bfloat16)
     plan = pa.plan(table, lens)
-    ws = _ops.Workspace("cuda")
+    ws = Workspace("cuda")
 
     def call() -> None:
-        _ops.run_plan_cuda(plan, q, k, v, out, 1 / math.sqrt(d), ws,
-                           chained=pa.chain_launches, finish=pa.finish_in_leaf)  # fmt: skip
+        run_plan(plan, q, k, v, out, 1 / math.sqrt(d), ws, pa.launch_options,
+                 finish=pa.finish_in_leaf)  # fmt: skip
 
     us = timer.median_us(call)
     events = profile_kernel_events(torch, call, timer.flush, calls, timer.SPIN_CYCLES)
@@ -50,7 +51,7 @@ def timeline(timer: _Timer, spec: str, hq: int, hkv: int, ps: int, d: int, calls
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", nargs="+", default=["1,256_256,32"])
-    ap.add_argument("--heads", nargs="+", default=["32,8"])
+    ap.add_argument("--heads", nargs="+", default=["32/8"], help="QO/KV head pairs, e.g. 32/8")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--calls", type=int, default=4)
@@ -58,7 +59,7 @@ def main() -> None:
     timer = _Timer(torch, 15)
     for spec in args.trees:
         for heads in args.heads:
-            hq, hkv = map(int, heads.split(","))
+            hq, hkv = parse_heads(heads)
             timeline(timer, spec, hq, hkv, args.page_size, args.head_dim, args.calls)
 
 

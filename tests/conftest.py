@@ -1,18 +1,56 @@
-"""Shared batch generators and plan checks for the CPU tests."""
+"""Shared batch generators and plan checks for the CPU tests, and the test markers.
+
+Markers:
+
+- ``gpu``: needs a CUDA GPU; skipped without one.
+- ``native``: needs the compiled planner (``prefixattn::build_plan``); skipped without it,
+  unless ``PREFIXATTN_REQUIRE_NATIVE=1`` (CI) makes its absence a failure.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import strategies as st
 
 INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+
+
+NATIVE_OR_PYTHON = [
+    pytest.param(True, id="native", marks=pytest.mark.native),
+    pytest.param(False, id="python"),
+]
+"""``native`` planner switch for parametrized tests; the native case needs the library."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "native: needs the compiled planner (PREFIXATTN_REQUIRE_NATIVE=1: required)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if item.get_closest_marker("native") is not None:
+        from prefixattn.runtime.library import native_plan_available
+
+        if not native_plan_available():
+            reason = (
+                "the compiled planner (prefixattn::build_plan) is not available: build the "
+                "library or point PREFIXATTN_LIBRARY at it"
+            )
+            if os.environ.get("PREFIXATTN_REQUIRE_NATIVE") == "1":
+                pytest.fail(reason + " (PREFIXATTN_REQUIRE_NATIVE=1)", pytrace=False)
+            pytest.skip(reason)
 
 
 def load_script(name: str, path: Path) -> ModuleType:
@@ -121,7 +159,7 @@ def random_cache(
     )
 
 
-def check_coverage(plan, batch: Batch) -> None:  # type: ignore[no-untyped-def]
+def check_coverage(plan, batch: Batch) -> None:
     """Every (token, KV position) pair the token may see is covered exactly once, by pages
     that are the token's own request's pages, and nothing else is covered."""
     h = plan.host
@@ -158,7 +196,7 @@ def check_coverage(plan, batch: Batch) -> None:  # type: ignore[no-untyped-def]
         assert (count[t, lim:] == 0).all()
 
 
-def check_merge_layout(plan) -> None:  # type: ignore[no-untyped-def]
+def check_merge_layout(plan) -> None:
     """Tokens with one slot are written directly; others own distinct partial rows. Slots that
     finish a merged token in the leaf launch (q_out = -2 - (16 * j + n)) are leaf items' only
     slots of their tokens, their tokens come last in merge_tokens, and their own rows last in

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import NATIVE_OR_PYTHON
 
 from prefixattn import PrefixAttention
 
@@ -12,11 +13,11 @@ TABLE = np.array([[0, 1, 2], [0, 1, 3]], dtype=np.int32)
 LENS = np.array([9, 10], dtype=np.int32)  # page size 4: 3 pages each
 
 
-def _pa(**kw) -> PrefixAttention:  # type: ignore[no-untyped-def]
+def _pa(**kw) -> PrefixAttention:
     return PrefixAttention(8, 2, 64, 4, dtype=torch.float32, **kw)
 
 
-def _inputs(num_pages: int = 4, tokens: int = 2):  # type: ignore[no-untyped-def]
+def _inputs(num_pages: int = 4, tokens: int = 2):
     q = torch.randn(tokens, 8, 64)
     k = torch.randn(num_pages, 4, 2, 64)
     return q, k, torch.randn_like(k)
@@ -61,7 +62,7 @@ def test_constructor_rejects_dtype() -> None:
         (TABLE, LENS, np.array([[0, 1, 2]]), ValueError, "qo_indptr must be 1-D"),
     ],
 )
-def test_plan_rejects(table, lens, qo_indptr, error, message) -> None:  # type: ignore[no-untyped-def]
+def test_plan_rejects(table, lens, qo_indptr, error, message) -> None:
     with pytest.raises(error, match=message):
         _pa().plan(table, lens, qo_indptr)
 
@@ -123,7 +124,7 @@ def test_run_rejects_page_ids_beyond_the_cache() -> None:
         (lambda q, k, v: ("q", k, v), TypeError, "q must be a torch.Tensor"),
     ],
 )
-def test_run_rejects(mutate, error, message) -> None:  # type: ignore[no-untyped-def]
+def test_run_rejects(mutate, error, message) -> None:
     pa = _pa()
     pa.plan(TABLE, LENS)
     with pytest.raises(error, match=message):
@@ -148,26 +149,45 @@ def test_hnd_layout_shape_is_checked() -> None:
         pa.run(q, k, v)
 
 
-@pytest.mark.parametrize("target", [-1, 1.5, "132"])
-def test_plan_rejects_bad_split_target(target) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("target", "error"),
+    [(-1, ValueError), (2**31, ValueError), (1.5, TypeError), ("132", TypeError)],
+)
+def test_bad_split_target_is_rejected_when_set(target: object, error: type[Exception]) -> None:
     pa = _pa()
-    pa.split_target = target
-    with pytest.raises(ValueError, match="split_target must be a non-negative int"):
-        pa.plan(TABLE, LENS)
+    with pytest.raises(error, match=r"PlanOptions\.split_target must be"):
+        pa.split_target = target
+    assert pa.split_target is None  # unchanged
 
 
 @pytest.mark.parametrize(
     ("table", "lens", "message"),
     [
         # int64/uint64 ids outside int32 must not wrap onto real pages.
-        (np.array([[0, 1, 2], [0, -(2**32) + 7, 3]]), LENS, r"\[1, 1\] = -4294967289 is a negative"),
-        (np.array([[0, 1, 2], [0, 2**32 + 1, 3]]), LENS, r"\[1, 1\] = 4294967297 is a page id beyond int32"),
-        (np.array([[0, 1, 2], [0, 2**63 + 1, 3]], np.uint64), LENS, r"block_table\[1, 1\] = 9223372036854775809 is a page id beyond int32"),
-        (TABLE, np.array([9, 2**64 - 1], np.uint64), r"seq_lens\[1\] = 18446744073709551615 is out of range"),
+        (
+            np.array([[0, 1, 2], [0, -(2**32) + 7, 3]]),
+            LENS,
+            r"\[1, 1\] = -4294967289 is a negative",
+        ),
+        (
+            np.array([[0, 1, 2], [0, 2**32 + 1, 3]]),
+            LENS,
+            r"\[1, 1\] = 4294967297 is a page id beyond int32",
+        ),
+        (
+            np.array([[0, 1, 2], [0, 2**63 + 1, 3]], np.uint64),
+            LENS,
+            r"block_table\[1, 1\] = 9223372036854775809 is a page id beyond int32",
+        ),
+        (
+            TABLE,
+            np.array([9, 2**64 - 1], np.uint64),
+            r"seq_lens\[1\] = 18446744073709551615 is out of range",
+        ),
     ],
-)  # fmt: skip
-@pytest.mark.parametrize("native", [True, False])
-def test_plan_rejects_ids_outside_int32(table, lens, message, native) -> None:  # type: ignore[no-untyped-def]
+)
+@pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
+def test_plan_rejects_ids_outside_int32(table, lens, message, native) -> None:
     pa = _pa()
     pa.native_plan = native
     with pytest.raises((IndexError, ValueError), match=message):
@@ -182,7 +202,7 @@ def test_int64_padding_rows_may_hold_anything() -> None:
         assert plan.max_page_id == 1
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 def test_plan_accepts_non_contiguous_tables(native: bool) -> None:
     pa = _pa()
     pa.native_plan = native
@@ -214,8 +234,13 @@ def test_cuda_device_without_cuda() -> None:
     ],
 )
 def test_run_rejects_a_plan_of_another_geometry(other: dict, message: str) -> None:
-    args = {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4,
-            "dtype": torch.float32} | other  # fmt: skip
+    args = {
+        "num_qo_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "page_size": 4,
+        "dtype": torch.float32,
+    } | other
     foreign = PrefixAttention(**args)
     table = TABLE if foreign.page_size == 4 else np.array([[0, 1, 2, 3, 4], [0, 1, 5, 6, 7]])
     plan = foreign.plan(table, LENS)
@@ -233,7 +258,7 @@ def test_run_rejects_a_plan_of_another_geometry(other: dict, message: str) -> No
         (True, TypeError, "scale must be a real number, got bool"),
     ],
 )
-def test_run_rejects_bad_scale(scale, error, message) -> None:  # type: ignore[no-untyped-def]
+def test_run_rejects_bad_scale(scale, error, message) -> None:
     pa = _pa()
     pa.plan(TABLE, LENS)
     with pytest.raises(error, match=message):

@@ -8,18 +8,26 @@ Importing this package loads neither the compiled kernels (loaded on first CUDA 
 any serving framework.
 """
 
-from .api import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
-from .forest import PrefixForest, build_forest
-from .plan import LaunchPlan, PlanArrays
-from .reference import attention_reference, run_plan_reference
-from .sharing import SharingProbe, TableHint, shares_pages
+from .attention import (
+    CapturedBuffers,
+    PrefixAttention,
+    decode_reservation,
+    decode_slots_per_token,
+)
+from .engine.sharing import SharingProbe, TableHint, shares_pages
+from .options import LaunchOptions, PlanOptions
+from .plan.forest import PrefixForest, build_forest
+from .plan.types import LaunchPlan, PlanArrays
+from .runtime.reference import attention_reference, run_plan_reference
 from .workloads import PAT_TREES, parse_tree, tree_batch
 
 __all__ = [
     "PAT_TREES",
     "CapturedBuffers",
+    "LaunchOptions",
     "LaunchPlan",
     "PlanArrays",
+    "PlanOptions",
     "PrefixAttention",
     "PrefixForest",
     "SharingProbe",

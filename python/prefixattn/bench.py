@@ -25,7 +25,6 @@ import functools
 import importlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -35,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .tiles import TileTable
+from .plan.tiles import SUPPORTED_HEAD_DIMS, TileTable
+from .workloads import parse_heads, parse_tree
 
 PAT_TREES = (
     "1,10_4096,416", "1,256_256,32", "1,1024_2048,32", "1,2,64_1024,256,256",
@@ -50,67 +50,84 @@ PAT_TREES = (
 
 HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
 
-# name -> (packing, split_kv, split target (None: the device's SM count), L2 prefetch tiles,
-# fixed (graph-capture) grid, concurrent tile groups); "one_tile" also runs every item on the
-# 128-row tile, "per_height" keeps each item's own tile height in one-wave plans
-# (``PrefixAttention.one_launch_in_one_wave`` off), "unchained" makes each launch wait for the
-# one before it to finish (``PrefixAttention.chain_launches`` off; the default chains them),
-# "tile16" runs the 16-row variant on the 16-row tile of forward_mma_kernel instead of the
-# leaf kernel (the same plan; ``PREFIXATTN_LEAF_KERNEL=0`` around each call), "merge_all"
-# leaves every merged token to the merge launch (``PrefixAttention.finish_in_leaf`` off: the
-# leaf launch runs first and finishes nothing), "fixed_merge_all" the same under fixed grids,
-# "wide_leaf" keeps the leaf kernel's general form where the plan would take its narrow one
-# (``PREFIXATTN_LEAF_NARROW=0`` around each call), "full_grid" sizes launches of several rounds
-# to fill the GPU instead of giving every block the same number of rounds
-# (``PREFIXATTN_BALANCED_GRID=0`` around each call), "no_wide" keeps items of 33-64 rows on
-# the 64-row tile whatever their KV length (``TileTable.wide_kv_len`` 0), "no_narrow" plans
-# with the default tile table alone (``TileTable.narrow_m_sizes`` empty), "mma64" runs the
-# 64-row tiles on ``forward_mma_kernel`` instead of the one-consumer ``wgmma`` kernel
-# (``PREFIXATTN_WGMMA64=0`` around each call), "cold_plan" skips the forward launches' L2
-# warm-up of the plan's arrays and q (``PREFIXATTN_WARM_L2=0``), "sync_full" keeps two tiles
-# in flight in the ``wgmma`` producer (``PREFIXATTN_WGMMA_ASYNC_FULL=0``), "global_pages" has
-# that producer read every page id from global memory instead of staging each pair's in
-# shared memory (``PREFIXATTN_WGMMA_SMEM_PAGES=0``), "keys64" has the 128-row ``wgmma``
-# launch's consumers take 64 keys per step instead of 128 (``PREFIXATTN_WGMMA_KEYS128=0``).
-Variant = tuple[str, bool, int | None, int, bool, bool]
-MAIN: Variant = ("memory", True, None, 0, False, False)
+
+def _heads(text: str) -> tuple[int, int]:
+    try:
+        return parse_heads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _page_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 128:
+        raise argparse.ArgumentTypeError(f"wants a page size from 1 to 128, got {text!r}")
+    return value
+
+
+def _tree(text: str) -> str:
+    try:
+        parse_tree(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One timed form of prefixattn: the plan call's arguments, the options that differ from
+    the defaults, and an edit of the tile table."""
+
+    packing: str = "memory"
+    split_kv: bool = True
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """:class:`prefixattn.PlanOptions` fields."""
+    launch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """:class:`prefixattn.LaunchOptions` fields."""
+    tiles: str = ""
+    """"one_tile": every item on the largest tile; "no_wide": items of 33-64 rows stay on the
+    64-row tile whatever their KV length (``TileTable.wide_kv_len`` 0); "no_narrow": the
+    default tile table alone (``TileTable.narrow_m_sizes`` empty); "": the default table."""
+
+    def tile_table(self, table: TileTable) -> TileTable:
+        if self.tiles == "one_tile":
+            return TileTable(m_sizes=(table.max_rows,), n_by_kv_len=table.n_by_kv_len)
+        if self.tiles == "no_wide":
+            return dataclasses.replace(table, wide_kv_len=0)
+        if self.tiles == "no_narrow":
+            return dataclasses.replace(table, narrow_m_sizes=())
+        return table
+
+
+MAIN = Variant()
 ABLATIONS: dict[str, Variant] = {
-    "naive": ("naive", True, None, 0, False, False),
-    "per_query": ("per_query", True, None, 0, False, False),
-    "no_split": ("memory", False, None, 0, False, False),
-    "split_all": ("memory", True, 0, 0, False, False),
-    "one_tile": MAIN,
-    "per_height": MAIN,
-    "prefetch2": ("memory", True, None, 2, False, False),
-    "fixed_grid": ("memory", True, None, 0, True, False),
-    "concurrent": ("memory", True, None, 0, False, True),
-    "fixed_concurrent": ("memory", True, None, 0, True, True),
-    "unchained": MAIN,
-    "tile16": MAIN,
-    "merge_all": MAIN,
-    "fixed_merge_all": ("memory", True, None, 0, True, False),
-    "wide_leaf": MAIN,
-    "full_grid": MAIN,
-    "no_wide": MAIN,
-    "no_narrow": MAIN,
-    "mma64": MAIN,
-    "cold_plan": MAIN,
-    "sync_full": MAIN,
-    "global_pages": MAIN,
-    "keys64": MAIN,
+    "naive": Variant(packing="naive"),
+    "per_query": Variant(packing="per_query"),
+    "no_split": Variant(split_kv=False),
+    # split every long item, whatever the SMs (split_target 0)
+    "split_all": Variant(plan={"split_target": 0}),
+    "one_tile": Variant(tiles="one_tile"),
+    # each item keeps its own tile height in one-wave plans
+    "per_height": Variant(plan={"one_launch_in_one_wave": False}),
+    # one KV head per (item, KV head) pair of the 16-row kernel
+    "unpacked_heads": Variant(plan={"pack_heads": False}),
+    "prefetch2": Variant(launch={"prefetch_tiles": 2}),
+    # the plan-independent grids of graph capture
+    "fixed_grid": Variant(launch={"fixed_grid": True}),
+    "concurrent": Variant(launch={"concurrent_groups": True}),
+    "fixed_concurrent": Variant(launch={"fixed_grid": True, "concurrent_groups": True}),
+    # each launch waits for the one before it to finish
+    "unchained": Variant(launch={"chain_launches": False}),
+    # every merged token goes to the merge launch (the leaf launch runs first)
+    "merge_all": Variant(plan={"finish_in_leaf": False}),
+    "fixed_merge_all": Variant(plan={"finish_in_leaf": False}, launch={"fixed_grid": True}),
+    "no_wide": Variant(tiles="no_wide"),
+    "no_narrow": Variant(tiles="no_narrow"),
 }
-# The ablations that run the default plan with one of the CUDA launcher's switches set to "0"
-# around each call (see above).
-ENV_ABLATIONS = {
-    "tile16": "PREFIXATTN_LEAF_KERNEL",
-    "wide_leaf": "PREFIXATTN_LEAF_NARROW",
-    "full_grid": "PREFIXATTN_BALANCED_GRID",
-    "mma64": "PREFIXATTN_WGMMA64",
-    "cold_plan": "PREFIXATTN_WARM_L2",
-    "sync_full": "PREFIXATTN_WGMMA_ASYNC_FULL",
-    "global_pages": "PREFIXATTN_WGMMA_SMEM_PAGES",
-    "keys64": "PREFIXATTN_WGMMA_KEYS128",
-}
+"""The ablations ``--ablations`` may time beside the default (``MAIN``)."""
 PAGE1_TREES = ("1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024")
 
 
@@ -144,45 +161,34 @@ def suite_configs(
     return configs + [(t, (32, 8), 1) for t in page1_trees]
 
 
-def with_env(name: str, value: str, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the environment variable ``name`` set to ``value`` during each call (the
-    CUDA launcher reads ``PREFIXATTN_LEAF_KERNEL`` and ``PREFIXATTN_LEAF_NARROW`` per call),
-    restored afterwards."""
-
-    def wrapped() -> object:
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return call()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-
-    return wrapped
-
-
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="prefixattn bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", nargs="*", default=list(PAT_TREES))
-    ap.add_argument("--heads", nargs="*", default=[f"{a},{b}" for a, b in HEADS],
-                    help="num_qo_heads,num_kv_heads pairs")  # fmt: skip
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--page1-trees", nargs="*", default=list(PAGE1_TREES),
-                    help="trees also run with page size 1 (heads 32,8)")  # fmt: skip
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--trees", nargs="*", type=_tree, default=list(PAT_TREES),
+                    help="trees in the PAT notation (counts_tokens); default: the PAT suite")  # fmt: skip
+    ap.add_argument("--heads", nargs="*", type=_heads, default=list(HEADS), metavar="QO/KV",
+                    help="query and KV head pairs, e.g. 32/8 (32,8 is accepted too); default: "
+                    + " ".join(f"{a}/{b}" for a, b in HEADS))  # fmt: skip
+    ap.add_argument("--page-size", type=_page_size, default=16,
+                    help="tokens per KV page (1 to 128), default 16")  # fmt: skip
+    ap.add_argument("--page1-trees", nargs="*", type=_tree, default=list(PAGE1_TREES),
+                    help="trees also run with page size 1 (heads 32/8)")  # fmt: skip
+    ap.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS,
+                    help="head dimension, default 128")  # fmt: skip
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per variant (median)")
     ap.add_argument("--ablations", nargs="*", default=None, metavar="NAME",
                     help=f"also time these variants (all without names): {', '.join(ABLATIONS)}")  # fmt: skip
-    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true",
+                    help="skip the FlashInfer decode and cascade columns")  # fmt: skip
     ap.add_argument("--no-ceiling", action="store_true",
                     help="skip the copy of the floor's bytes and the matmul rate (see above)")  # fmt: skip
     ap.add_argument("--breakdown", type=int, default=0, metavar="CALLS",
                     help="also profile CALLS calls of prefixattn per configuration: device time "
                     "per kernel, and the span from its first kernel to its last")  # fmt: skip
-    ap.add_argument("--out", default="docs/results/bench_attention.json")
+    ap.add_argument("--out", default="docs/results/bench_attention.json",
+                    help="result JSON (a table and a plot are written beside it)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.iters <= 0:
+        ap.error(f"--iters must be positive, got {args.iters}")
     unknown = sorted(set(args.ablations or ()) - set(ABLATIONS))
     if unknown:
         ap.error(f"unknown ablations {unknown}; known: {', '.join(ABLATIONS)}")
@@ -459,10 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     import prefixattn
-    from prefixattn import _ops
+    from prefixattn.runtime.buffers import Workspace
+    from prefixattn.runtime.launch import run_plan
+    from prefixattn.runtime.library import cuda_ops_available
     from prefixattn.workloads import tree_batch
 
-    if not torch.cuda.is_available() or not _ops.cuda_ops_available():
+    if not torch.cuda.is_available() or not cuda_ops_available():
         print("prefixattn bench: needs a CUDA GPU and the CUDA kernels", file=sys.stderr)
         return 1
     fi: Any = None
@@ -479,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bf16 matmul: {flops / 1e12:.0f} TFLOP/s")
     dtype, d = torch.bfloat16, args.head_dim
     rows = []
-    heads = [(int(a), int(b)) for a, b in (h.split(",") for h in args.heads)]
+    heads = args.heads
     configs = suite_configs(args.trees, heads, args.page_size, args.page1_trees)
     for spec, (hq, hkv), ps in configs:
         table, lens = tree_batch(spec, ps, seed=0)
@@ -497,29 +505,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         calls: dict[str, Callable[[], object]] = {}
         # One partials workspace for every variant, so that no variant's timing depends on
         # where its own scratch happens to lie in memory.
-        ws = _ops.Workspace("cuda")
-        for name, (packing, split, target, prefetch, fixed, concurrent) in variants:
-            pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device="cuda", dtype=dtype)
-            if target is not None:
-                pa.split_target = target
-            if name == "one_tile":
-                pa.tiles = TileTable(m_sizes=(pa.tiles.max_rows,), n_by_kv_len=pa.tiles.n_by_kv_len)
-            if name == "no_wide":
-                pa.tiles = dataclasses.replace(pa.tiles, wide_kv_len=0)
-            if name == "no_narrow":
-                pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
-            if name == "per_height":
-                pa.one_launch_in_one_wave = False
-            if name in ("merge_all", "fixed_merge_all"):
-                pa.finish_in_leaf = False
-            plan = pa.plan(table, lens, packing=packing, split_kv=split)
-            calls[name] = functools.partial(
-                _ops.run_plan_cuda, plan, q, k, v, out, scale, ws,
-                prefetch_tiles=prefetch, fixed_grid=fixed, concurrent=concurrent,
-                chained=pa.chain_launches and name != "unchained", finish=pa.finish_in_leaf,
+        ws = Workspace("cuda")
+        for name, variant in variants:
+            pa = prefixattn.PrefixAttention(
+                hq, hkv, d, ps, device="cuda", dtype=dtype,
+                plan_options=prefixattn.PlanOptions(**variant.plan),
+                launch_options=prefixattn.LaunchOptions(**variant.launch),
             )  # fmt: skip
-            if name in ENV_ABLATIONS:
-                calls[name] = with_env(ENV_ABLATIONS[name], "0", calls[name])
+            pa.tiles = variant.tile_table(pa.tiles)
+            plan = pa.plan(table, lens, packing=variant.packing, split_kv=variant.split_kv)
+            calls[name] = functools.partial(
+                run_plan, plan, q, k, v, out, scale, ws, pa.launch_options,
+                finish=pa.finish_in_leaf,
+            )  # fmt: skip
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
                 traffic = plan_traffic(plan)

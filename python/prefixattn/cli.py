@@ -10,21 +10,52 @@ import time
 import numpy as np
 import torch
 
-from .api import PrefixAttention
-from .native_plan import native_plan_available
-from .packer import PACKINGS
-from .reference import attention_reference
-from .workloads import parse_tree, tree_batch
+from .attention import MAX_PAGE_SIZE, PrefixAttention
+from .plan.packing import PACKINGS
+from .plan.tiles import SUPPORTED_HEAD_DIMS
+from .runtime import library
+from .runtime.reference import attention_reference
+from .workloads import TreeSpec, parse_heads, parse_tree, tree_batch
 
 DEFAULT_TREE = "1,4,64_1024,256,128"
+HEADS_HELP = "query and KV heads as QO/KV, e.g. 32/8 (32,8 is accepted too)"
 
 
-def _heads(text: str) -> tuple[int, int]:
+def parse_heads_arg(text: str) -> tuple[int, int]:
+    """``--heads`` of every command: ``32/8`` (or ``32,8``)."""
     try:
-        hq, hkv = (int(x) for x in text.split("/"))
+        return parse_heads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_tree_arg(text: str) -> TreeSpec:
+    """``--tree``: a tree in the PAT notation (counts_tokens)."""
+    try:
+        return parse_tree(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--heads wants QO/KV, e.g. 32/8; got {text!r}") from None
-    return hq, hkv
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
+    return value
+
+
+def page_size_arg(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"page size {value} is larger than {MAX_PAGE_SIZE}")
+    return value
+
+
+def page_sizes_arg(text: str) -> tuple[int, ...]:
+    return tuple(page_size_arg(x) for x in text.split(","))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -39,19 +70,28 @@ def demo(argv: list[str] | None = None) -> int:
         prog="prefixattn demo",
         description="Plan a shared-prefix batch, show its forest and bytes, run and check it.",
     )
-    parser.add_argument("--tree", default=DEFAULT_TREE, help="PAT tree notation (counts_tokens)")
-    parser.add_argument("--heads", type=_heads, default=(32, 8), help="QO/KV heads, e.g. 32/8")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--tree", type=parse_tree_arg, default=DEFAULT_TREE,
+                        help="PAT tree notation (counts_tokens), default %(default)s")  # fmt: skip
+    parser.add_argument("--heads", type=parse_heads_arg, default=(32, 8), help=HEADS_HELP)
+    parser.add_argument("--head-dim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS)
+    parser.add_argument("--page-size", type=page_size_arg, default=16,
+                        help=f"tokens per KV page, 1 to {MAX_PAGE_SIZE}")  # fmt: skip
     parser.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16 or fp32")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        parser.error(f"--device: {e}")
+    if device.type not in ("cuda", "cpu"):
+        parser.error(f"--device must be cuda or cpu, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
     dtype = args.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     hq, hkv = args.heads
-    tree = parse_tree(args.tree)
+    tree = args.tree
     block_table, seq_lens = tree_batch(tree, args.page_size, seed=args.seed)
     pa = PrefixAttention(hq, hkv, args.head_dim, args.page_size, device=device, dtype=dtype)
 
@@ -97,11 +137,9 @@ def demo(argv: list[str] | None = None) -> int:
     q = torch.randn((plan.num_tokens, hq, args.head_dim), generator=gen).to(device, dtype)
     out = pa.run(q, k_cache, v_cache)
     engine = "PyTorch reference"
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        from . import _ops
-
-        if _ops.cuda_ops_available():
-            engine = "CUDA kernels"
+    kernels = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if kernels and library.cuda_ops_available():
+        engine = "CUDA kernels"
     bt = torch.from_numpy(block_table).to(device)
     sl = torch.from_numpy(seq_lens).to(device)
     ref = attention_reference(q, k_cache, v_cache, bt, sl)
@@ -120,10 +158,12 @@ def plan_bench(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="prefixattn plan-bench", description="Time plan construction (host, one core)."
     )
-    parser.add_argument("--tree", default="1,16,256_2048,1024,1024")
-    parser.add_argument("--heads", type=_heads, default=(32, 8))
-    parser.add_argument("--page-sizes", default="16,1")
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--tree", type=parse_tree_arg, default="1,16,256_2048,1024,1024",
+                        help="PAT tree notation (counts_tokens), default %(default)s")  # fmt: skip
+    parser.add_argument("--heads", type=parse_heads_arg, default=(32, 8), help=HEADS_HELP)
+    parser.add_argument("--page-sizes", type=page_sizes_arg, default=(16, 1),
+                        help="comma-separated page sizes, default 16,1")  # fmt: skip
+    parser.add_argument("--repeat", type=positive_int, default=50, help="plans timed per case")
     parser.add_argument("--packing", default="memory", choices=PACKINGS)
     parser.add_argument(
         "--impl", default="both", choices=("native", "python", "both"),
@@ -135,11 +175,11 @@ def plan_bench(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     hq, hkv = args.heads
-    tree = parse_tree(args.tree)
+    tree = args.tree
     print(
         f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}"
     )
-    for ps in (int(x) for x in args.page_sizes.split(",")):
+    for ps in args.page_sizes:
         bt, sl = tree_batch(tree, ps)
         pa = PrefixAttention(hq, hkv, 128, ps)
         if args.no_narrow:
@@ -147,7 +187,7 @@ def plan_bench(argv: list[str] | None = None) -> int:
         impls = ("native", "python") if args.impl == "both" else (args.impl,)
         for impl in impls:
             pa.native_plan = impl == "native"
-            if impl == "native" and not native_plan_available():
+            if impl == "native" and not library.native_plan_available():
                 print(f"page_size {ps:>3}: the native planner is not built")
                 continue
             times = []

@@ -80,6 +80,21 @@ def parse_tree(spec: str) -> TreeSpec:
     return TreeSpec(counts, tokens)
 
 
+def parse_heads(text: str) -> tuple[int, int]:
+    """Query and KV heads from ``"32/8"`` (or ``"32,8"``): positive, the query heads a multiple
+    of the KV heads, a group of at most 16."""
+    try:
+        hq, hkv = (int(x) for x in text.replace(",", "/").split("/"))
+    except ValueError:
+        raise ValueError(f"wants QO/KV heads, e.g. 32/8; got {text!r}") from None
+    if hq <= 0 or hkv <= 0 or hq % hkv or hq // hkv > 16:
+        raise ValueError(
+            f"wants positive QO/KV heads with QO a multiple of KV (group size at most 16); "
+            f"got {text!r}"
+        )
+    return hq, hkv
+
+
 def read_tree_file(path: str | Path) -> list[str]:
     """Tree specs from a file: one per line, '#' comments."""
     lines = Path(path).read_text().splitlines()

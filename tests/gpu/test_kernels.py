@@ -7,20 +7,24 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+import prefixattn
+from prefixattn import LaunchOptions
+from prefixattn.runtime.buffers import Workspace
+from prefixattn.runtime.launch import run_plan
+from prefixattn.runtime.library import cuda_ops_available
+from prefixattn.workloads import PAT_TREES, tree_batch
 
-import prefixattn  # noqa: E402
-from prefixattn import _ops  # noqa: E402
-from prefixattn.bench import PAT_TREES  # noqa: E402
-from prefixattn.workloads import tree_batch  # noqa: E402
+from .attention_ref import gathered_attention
 
-from .attention_ref import gathered_attention  # noqa: E402
-
-if not _ops.cuda_ops_available():
-    pytest.skip("prefixattn was built without CUDA kernels", allow_module_level=True)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and not cuda_ops_available(),
+        reason="prefixattn was built without CUDA kernels",
+    ),
+]
 
 DEV = torch.device("cuda")
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -64,16 +68,18 @@ def tree_inputs(spec, hq, hkv, d, ps, dtype, layout, inter, qlen, seed):
     return table, lens, qo_indptr, q, k, v
 
 
-def outputs_under_env(monkeypatch, name, values, plan, q, k, v, scale, **run_args):
-    """The plan's output once per value of the environment variable `name` (each output
-    poisoned with NaN before its run)."""
-    outs = []
-    for value in values:
-        monkeypatch.setenv(name, value)
-        out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV), **run_args)
-        outs.append(out)
-    return outs
+def launch(plan, q, k, v, out, scale, ws=None, *, finish=True, **options):
+    """``run_plan`` with ``LaunchOptions(**options)``; unlike ``PrefixAttention.run``, launches
+    are not chained unless ``chain_launches=True``."""
+    opts = LaunchOptions(**({"chain_launches": False} | options))
+    run_plan(plan, q, k, v, out, scale, Workspace(DEV) if ws is None else ws, opts, finish=finish)
+
+
+def run_poisoned(plan, q, k, v, scale, **run_args):
+    """The plan's output, poisoned with NaN before its run."""
+    out = torch.full_like(q, float("nan"))
+    launch(plan, q, k, v, out, scale, **run_args)
+    return out
 
 
 def random_forest(rng, page_size, batch, max_shared_pages, max_private):
@@ -101,17 +107,37 @@ def random_forest(rng, page_size, batch, max_shared_pages, max_private):
     return table, np.asarray(lens, dtype=np.int32), next_page
 
 
-def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pages, qo_lens,
-          packing="memory", split_kv=True, seed=0, fixed_grid=False, prefetch_tiles=0,
-          concurrent=False, one_wave=True, chained=False, split_target=None,
-          narrow=True):  # fmt: skip
+def check(
+    hq,
+    hkv,
+    d,
+    page_size,
+    dtype,
+    layout,
+    interleaved,
+    table,
+    lens,
+    num_pages,
+    qo_lens,
+    packing="memory",
+    split_kv=True,
+    seed=0,
+    fixed_grid=False,
+    prefetch_tiles=0,
+    concurrent=False,
+    one_wave=True,
+    chained=False,
+    split_target=None,
+    narrow=True,
+):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     t = int(qo_indptr[-1])
     k, v = make_cache(num_pages, page_size, hkv, d, dtype, layout, interleaved, gen)
     q = torch.randn(t, hq, d, generator=gen, device=DEV).to(dtype)
-    pa = prefixattn.PrefixAttention(hq, hkv, d, page_size, kv_layout=layout, device=DEV,
-                                    dtype=dtype)  # fmt: skip
+    pa = prefixattn.PrefixAttention(
+        hq, hkv, d, page_size, kv_layout=layout, device=DEV, dtype=dtype
+    )
     pa.one_launch_in_one_wave = one_wave
     if not narrow:  # the default tile table alone: no narrow alternative plan
         pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
@@ -119,11 +145,19 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
         pa.split_target = split_target
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
     out = torch.full_like(q, float("nan"))
-    ws = _ops.Workspace(DEV)
     scale = 1.0 / math.sqrt(d)
-    _ops.run_plan_cuda(plan, q, k, v, out, scale, ws, fixed_grid=fixed_grid,
-                       prefetch_tiles=prefetch_tiles, concurrent=concurrent,
-                       chained=chained)  # fmt: skip
+    launch(
+        plan,
+        q,
+        k,
+        v,
+        out,
+        scale,
+        fixed_grid=fixed_grid,
+        prefetch_tiles=prefetch_tiles,
+        concurrent_groups=concurrent,
+        chain_launches=chained,
+    )
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
     assert not torch.isnan(out).any(), "unwritten output elements"
     assert_close_to_reference(out, ref, dtype, plan)
@@ -135,15 +169,36 @@ def check(hq, hkv, d, page_size, dtype, layout, interleaved, table, lens, num_pa
 def test_pat_tree(spec, heads):
     table, lens = tree_batch(spec, 16, seed=1)
     num_pages = int(table.max()) + 1
-    check(*heads, 128, 16, torch.bfloat16, "NHD", False, table, lens, num_pages,
-          np.ones(len(lens), dtype=np.int32))  # fmt: skip
+    check(
+        *heads,
+        128,
+        16,
+        torch.bfloat16,
+        "NHD",
+        False,
+        table,
+        lens,
+        num_pages,
+        np.ones(len(lens), dtype=np.int32),
+    )
 
 
 @pytest.mark.parametrize("spec", ["1,10_4096,416", "1,4,16,512_1024,256,128,32", "256_1024"])
 def test_pat_tree_page1(spec):
     table, lens = tree_batch(spec, 1, seed=2)
-    check(64, 8, 128, 1, torch.bfloat16, "NHD", True, table, lens, int(table.max()) + 1,
-          np.ones(len(lens), dtype=np.int32))  # fmt: skip
+    check(
+        64,
+        8,
+        128,
+        1,
+        torch.bfloat16,
+        "NHD",
+        True,
+        table,
+        lens,
+        int(table.max()) + 1,
+        np.ones(len(lens), dtype=np.int32),
+    )
 
 
 # Odd sizes on purpose: group sizes 1, 3, 4, 7, 16; page sizes 1, 3, 16, 24, 32, 64; tails that end
@@ -171,36 +226,52 @@ CASES = [
 def test_random_forest(case, packing, qlen, seed):
     hq, hkv, d, ps, dtype, layout, inter = case
     rng = np.random.default_rng(seed * 100 + hq + d)
-    table, lens, num_pages = random_forest(rng, ps, int(rng.integers(1, 40)),
-                                           max(1, 700 // ps), 339)  # fmt: skip
+    table, lens, num_pages = random_forest(
+        rng, ps, int(rng.integers(1, 40)), max(1, 700 // ps), 339
+    )
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
     # Seed 0 chains its launches; seed 1 also takes the fixed-grid launches (as under graph
     # capture) and L2 prefetch; seed 2 runs the tile groups concurrently, seed 1 too (with
     # fixed grids). Seed 2 keeps each item's own tile height in one-wave plans, so small
     # forests still launch several heights (and concurrent groups have several groups to run).
-    check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, packing=packing,
-          seed=seed, fixed_grid=seed == 1, prefetch_tiles=2 * (seed == 1),
-          concurrent=seed >= 1, one_wave=seed != 2, chained=seed == 0)  # fmt: skip
+    check(
+        hq,
+        hkv,
+        d,
+        ps,
+        dtype,
+        layout,
+        inter,
+        table,
+        lens,
+        num_pages,
+        qo,
+        packing=packing,
+        seed=seed,
+        fixed_grid=seed == 1,
+        prefetch_tiles=2 * (seed == 1),
+        concurrent=seed >= 1,
+        one_wave=seed != 2,
+        chained=seed == 0,
+    )
 
 
-@pytest.mark.parametrize("leaf", ["1", "0"])
 @pytest.mark.parametrize(
     "case",
     [CASES[0], CASES[1], CASES[3], CASES[4], CASES[8], CASES[9]],
     ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}",
 )
 @pytest.mark.parametrize("qlen", [1, 4])
-def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
-    """The 16-row variant through the leaf kernel (default) and through the 16-row tile of
-    forward_mma_kernel (PREFIXATTN_LEAF_KERNEL=0): one and two passes (group 16, 4-token runs
-    of group 3-4), every page-size path."""
-    monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", leaf)
+def test_leaf_kernel(case, qlen):
+    """The 16-row variant through the leaf kernel (the 16-row tile at head_dim 256): one and
+    two passes (group 16, 4-token runs of group 3-4), every page-size path."""
     hq, hkv, d, ps, dtype, layout, inter = case
     rng = np.random.default_rng(7 + hq + ps)
     table, lens, num_pages = random_forest(rng, ps, 33, max(1, 300 // ps), 97)
     qo = np.minimum(rng.integers(1, qlen + 1, size=len(lens)), lens).astype(np.int32)
-    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, seed=3,
-                 one_wave=False)  # fmt: skip
+    plan = check(
+        hq, hkv, d, ps, dtype, layout, inter, table, lens, num_pages, qo, seed=3, one_wave=False
+    )
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
 
 
@@ -210,11 +281,10 @@ def test_leaf_kernel_and_16_row_tile(case, qlen, leaf, monkeypatch):
     [CASES[0], CASES[2], CASES[3], CASES[8], CASES[9]],
     ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-p{c[3]}-{c[5]}",
 )
-def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
+def test_narrow_leaf_kernel(case, spec):
     """A plan whose 16-row items have at most 8 rows (one decode token at group <= 8) runs the
-    leaf kernel's one-column-block form unless PREFIXATTN_LEAF_NARROW=0, and, where those items
-    average at most 3 tiles (20-token leaves; 50-token ones average 4), its short form: each
-    writes the same bits as the general form, and the reference's values."""
+    leaf kernel's one-column-block form, and, where those items average at most 3 tiles
+    (20-token leaves; 50-token ones average 4), its short form: the reference's values."""
     hq, hkv, d, ps, dtype, layout, inter = case
     table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, inter, 1, 5)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
@@ -226,11 +296,9 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
     assert short == (spec.endswith(",20") and ps != 64), plan.summary()  # 64: 52-token leaves
     assert any(m == 16 for m, _ in plan.tiles), plan.summary()
     scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_LEAF_NARROW", ("1", "0"), plan, q, k, v,
-                             scale, chained=True)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
+    out = run_poisoned(plan, q, k, v, scale, chain_launches=True)
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan)
+    assert_close_to_reference(out, ref, dtype, plan)
 
 
 @pytest.mark.parametrize(
@@ -242,11 +310,10 @@ def test_narrow_leaf_kernel_matches_general_form(case, spec, monkeypatch):
         ("1,4,16,512_64,32,16,8", (32, 32)),
     ],
 )
-def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
+def test_balanced_grid(spec, heads):
     """Launches of more pairs than the GPU holds at once run on a grid that gives every block
-    the same number of rounds unless PREFIXATTN_BALANCED_GRID=0: the same bits either way (each
-    pair's work does not depend on the warp that runs it), and the reference's values."""
-    check_switch(monkeypatch, "PREFIXATTN_BALANCED_GRID", spec, heads, 16, 1, 6)
+    the same number of rounds: the reference's values."""
+    check_tree(spec, heads, 16, 1, 6)
 
 
 @pytest.mark.parametrize(
@@ -257,17 +324,16 @@ def test_balanced_grid_matches_full_grid(spec, heads, monkeypatch):
         ("1,4,16_96,64,24", (32, 32), 16, 3),
     ],
 )
-def test_l2_warm_up_changes_no_bits(spec, heads, ps, qlen, monkeypatch):
-    """Every forward launch prefetches the plan's arrays and q into the L2 unless
-    PREFIXATTN_WARM_L2=0: a hint only, so the same bits either way, and the reference's
+def test_l2_warm_up(spec, heads, ps, qlen):
+    """Every forward launch prefetches the plan's arrays and q into the L2: the reference's
     values (leaf, 64-row and 128-row launches, page sizes 16 and 1, causal query runs)."""
-    check_switch(monkeypatch, "PREFIXATTN_WARM_L2", spec, heads, ps, qlen, 8)
+    check_tree(spec, heads, ps, qlen, 8)
 
 
-def check_switch(monkeypatch, name, spec, heads, ps, qlen, seed, d=128, layout="NHD",
-                 inter=False, min_rows=0, **run_args):  # fmt: skip
-    """A launcher switch that must not change the result (`name` set to "1", then to "0") on
-    PAT tree `spec`: the same bits either way, and the reference's values (bf16, chained
+def check_tree(
+    spec, heads, ps, qlen, seed, d=128, layout="NHD", inter=False, min_rows=0, **run_args
+):
+    """PAT tree `spec` with the default launches: the reference's values (bf16, chained
     launches, leaf finishing as planned). With `min_rows`, the plan must run a tile of at
     least that many rows."""
     hq, hkv = heads
@@ -277,21 +343,16 @@ def check_switch(monkeypatch, name, spec, heads, ps, qlen, seed, d=128, layout="
     )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     plan = pa.plan(table, lens, qo_indptr)
-    assert any(m >= min_rows and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
-               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    assert any(
+        m >= min_rows and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+        for t, (m, _) in enumerate(plan.tiles)
+    ), plan.summary()
     scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, name, ("1", "0"), plan, q, k, v, scale, chained=True,
-                             finish=pa.finish_in_leaf, **run_args)  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
+    out = run_poisoned(
+        plan, q, k, v, scale, chain_launches=True, finish=pa.finish_in_leaf, **run_args
+    )
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    assert_close_to_reference(outs[0], ref, dtype, plan, f"{name}=1")
-
-
-def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, seed, **run_args):
-    """A launcher switch of the `wgmma` producer on a PAT tree whose plan runs a tile of at
-    least 64 rows (check_switch, head_dim 128)."""
-    check_switch(monkeypatch, name, spec, heads, ps, qlen, seed, layout=layout, inter=inter,
-                 min_rows=64, **run_args)  # fmt: skip
+    assert_close_to_reference(out, ref, dtype, plan)
 
 
 @pytest.mark.parametrize(
@@ -302,13 +363,11 @@ def check_wgmma_switch(monkeypatch, name, spec, heads, ps, layout, inter, qlen, 
         ("1,8,32_700,300,50", (32, 8), 24, "NHD", False, 3),
     ],
 )
-def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, qlen, monkeypatch):
+def test_wgmma_async_full(spec, heads, ps, layout, inter, qlen):
     """The `wgmma` producer's stages signal full as their copies land (up to STAGES tiles in
-    flight) unless PREFIXATTN_WGMMA_ASYNC_FULL=0 (two tiles in flight): the same products on
-    the same bytes, so the same bits, and the reference's values (128- and 64-row tiles, page
-    sizes 16, 1 and 24, causal query runs)."""
-    check_wgmma_switch(monkeypatch, "PREFIXATTN_WGMMA_ASYNC_FULL", spec, heads, ps, layout, inter,
-                       qlen, 9)  # fmt: skip
+    flight): the reference's values (128- and 64-row tiles, page sizes 16, 1 and 24, causal
+    query runs)."""
+    check_tree(spec, heads, ps, qlen, 9, layout=layout, inter=inter, min_rows=64)
 
 
 @pytest.mark.parametrize(
@@ -323,13 +382,11 @@ def test_wgmma_async_full_matches_two_in_flight(spec, heads, ps, layout, inter, 
         ("1,8,32_700,300,50", (32, 8), 24, "NHD", True, 3, True),
     ],
 )
-def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fixed, monkeypatch):
+def test_wgmma_smem_pages(spec, heads, ps, layout, inter, qlen, fixed):
     """The `wgmma` producer reads each pair's first 512 page ids from shared memory, staged
-    when the pair starts, unless PREFIXATTN_WGMMA_SMEM_PAGES=0 (every id from global memory):
-    the same bytes, so the same bits, and the reference's values (pairs longer than the
-    staged ids, fixed grids whose blocks run several pairs, page size 24)."""
-    check_wgmma_switch(monkeypatch, "PREFIXATTN_WGMMA_SMEM_PAGES", spec, heads, ps, layout, inter,
-                       qlen, 11, fixed_grid=fixed)  # fmt: skip
+    when the pair starts: the reference's values (pairs longer than the staged ids, fixed
+    grids whose blocks run several pairs, page size 24)."""
+    check_tree(spec, heads, ps, qlen, 11, layout=layout, inter=inter, min_rows=64, fixed_grid=fixed)
 
 
 @pytest.mark.parametrize(
@@ -343,32 +400,31 @@ def test_wgmma_smem_pages_match_global(spec, heads, ps, layout, inter, qlen, fix
         ("1,2,64_1024,256,256", (64, 4), 64, 16, "HND", torch.float16, 1, True, True),
     ],
 )
-def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, fixed, unsplit,
-                                      monkeypatch):  # fmt: skip
+def test_wgmma_keys128(spec, heads, d, ps, layout, dtype, qlen, fixed, unsplit):
     """The 128-row `wgmma` launch's pairs of more than 64 rows and at least 16 tiles take 128
-    keys per consumer step unless PREFIXATTN_WGMMA_KEYS128=0 (64 keys): the same attention
-    with the softmax state updated per 128 keys, so both match the reference (odd tile
-    counts, causal runs, head_dim 64 and 128, page sizes 1, 16 and 24, fixed grids, plans
-    with their long items left unsplit)."""
+    keys per consumer step: the reference's values (odd tile counts, causal runs, head_dim 64
+    and 128, page sizes 1, 16 and 24, fixed grids, plans with their long items left
+    unsplit)."""
     hq, hkv = heads
-    table, lens, qo_indptr, q, k, v = tree_inputs(spec, hq, hkv, d, ps, dtype, layout, False,
-                                                  qlen, 13)  # fmt: skip
+    table, lens, qo_indptr, q, k, v = tree_inputs(
+        spec, hq, hkv, d, ps, dtype, layout, False, qlen, 13
+    )
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, kv_layout=layout, device=DEV, dtype=dtype)
     if unsplit:
         pa.split_target = 1  # no item is long against one pair's share of the KV
     plan = pa.plan(table, lens, qo_indptr)
     long_items = plan.host.kv_len[plan.tile_indptr[-2] :] >= 16 * 64
     assert long_items.any(), plan.summary()
-    assert any(m == 128 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
-               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    assert any(
+        m == 128 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+        for t, (m, _) in enumerate(plan.tiles)
+    ), plan.summary()
     scale = 1.0 / math.sqrt(d)
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA_KEYS128", ("1", "0", "1"), plan, q,
-                             k, v, scale, chained=True, finish=pa.finish_in_leaf,
-                             fixed_grid=fixed)  # fmt: skip
-    assert torch.equal(outs[0], outs[2])
+    out = run_poisoned(
+        plan, q, k, v, scale, chain_launches=True, finish=pa.finish_in_leaf, fixed_grid=fixed
+    )
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    for value, out in zip(("1", "0"), outs[:2], strict=True):
-        assert_close_to_reference(out, ref, dtype, plan, f"KEYS128={value}: ")
+    assert_close_to_reference(out, ref, dtype, plan)
 
 
 @pytest.mark.parametrize(
@@ -381,11 +437,10 @@ def test_wgmma_keys128_matches_keys64(spec, heads, d, ps, layout, dtype, qlen, f
         ("1,8,32_700,300,50", (16, 4), 64, 24, 3),
     ],
 )
-def test_host_range_matches_device_counts(spec, heads, d, ps, qlen, monkeypatch):
+def test_host_range(spec, heads, d, ps, qlen):
     """Forward launches take their item range from the host (not under a fixed grid, not for
-    hinted plans) unless PREFIXATTN_HOST_RANGE=0 (read from the plan's device counts): the
-    same pairs, so the same bits, and the reference's values."""
-    check_switch(monkeypatch, "PREFIXATTN_HOST_RANGE", spec, heads, ps, qlen, 17, d=d)
+    hinted plans): the reference's values."""
+    check_tree(spec, heads, ps, qlen, 17, d=d)
 
 
 WGMMA64_CASES = [
@@ -399,11 +454,10 @@ WGMMA64_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", WGMMA64_CASES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-q{c[5]}")
-def test_wgmma64_matches_mma64(case, dtype, monkeypatch):
+def test_wgmma64(case, dtype):
     """The 64-row tiles of the narrow tile table (16- and 64-row tiles) run on the
-    one-consumer `wgmma` kernel, or on the `mma.sync` tile with PREFIXATTN_WGMMA64=0: both
-    match the reference, for page sizes 16, 1 and 24, NHD and HND caches, interleaved K|V and
-    causal query lengths above 1."""
+    one-consumer `wgmma` kernel: the reference's values, for page sizes 16, 1 and 24, NHD and
+    HND caches, interleaved K|V and causal query lengths above 1."""
     spec, (hq, hkv), ps, layout, inter, qlen = case
     d = 128
     table, lens, qo_indptr, q, k, v = tree_inputs(
@@ -414,15 +468,14 @@ def test_wgmma64_matches_mma64(case, dtype, monkeypatch):
     assert narrow is not None and narrow.m_sizes == (16, 64)
     pa.tiles = narrow
     plan = pa.plan(table, lens, qo_indptr)
-    assert any(m == 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
-               for t, (m, _) in enumerate(plan.tiles)), plan.summary()  # fmt: skip
+    assert any(
+        m == 64 and plan.tile_indptr[t + 1] > plan.tile_indptr[t]
+        for t, (m, _) in enumerate(plan.tiles)
+    ), plan.summary()
     scale = 1.0 / math.sqrt(d)
     ref = gathered_attention(q, k, v, table, lens, qo_indptr, layout, scale)
-    kernels = ("1", "0")
-    outs = outputs_under_env(monkeypatch, "PREFIXATTN_WGMMA64", kernels, plan, q, k, v, scale,
-                             chained=True, finish=pa.finish_in_leaf)  # fmt: skip
-    for kernel, out in zip(kernels, outs, strict=True):
-        assert_close_to_reference(out, ref, dtype, plan, f"PREFIXATTN_WGMMA64={kernel}")
+    out = run_poisoned(plan, q, k, v, scale, chain_launches=True, finish=pa.finish_in_leaf)
+    assert_close_to_reference(out, ref, dtype, plan)
 
 
 @pytest.mark.parametrize("scale", [0.0884, 3.0, 0.0, -0.2])
@@ -451,7 +504,7 @@ def test_scale_and_rising_scores(scale, qlen):
         pa.one_launch_in_one_wave = False
         plan = pa.plan(table, lens, qo_indptr)
         out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(plan, q, k, v, out, scale, _ops.Workspace(DEV))
+        launch(plan, q, k, v, out, scale)
         ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", scale)
         assert not torch.isnan(out).any(), "unwritten output elements"
         assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{spec} scale {scale}: ")
@@ -465,8 +518,12 @@ def test_chained_launches_match_serial(fixed_grid):
     # partial rows are poisoned before every run, so a merge that read them early would
     # write NaN. In 1,64_64,2048 the first launch (16 rows: long split leaves) is the slow
     # one, so the merge relies on the launches between waiting for it.
-    specs = ("1,4,16,512_1024,256,128,32", "8,16,32,256_512,512,256,32", "1,256_256,32",
-             "1,64_64,2048")  # fmt: skip
+    specs = (
+        "1,4,16,512_1024,256,128,32",
+        "8,16,32,256_512,512,256,32",
+        "1,256_256,32",
+        "1,64_64,2048",
+    )
     for spec in specs:
         table, lens = tree_batch(spec, 16, seed=3)
         num_pages = int(table.max()) + 1
@@ -477,15 +534,14 @@ def test_chained_launches_match_serial(fixed_grid):
         pa.one_launch_in_one_wave = False
         plan = pa.plan(table, lens)
         assert len(plan.tiles) > 1 and plan.num_merge_tokens > 0, plan.summary()
-        ws = _ops.Workspace(DEV, torch.bfloat16)
+        ws = Workspace(DEV, torch.bfloat16)
         ws.reserve(plan.num_partials, 32, 128, torch.bfloat16)
         outs = []
         for chained in (False, True, True, True):
             ws.partial_o.fill_(float("nan"))
             ws.partial_lse.fill_(float("nan"))
             out = torch.full_like(q, float("nan"))
-            _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws, fixed_grid=fixed_grid,
-                               chained=chained)  # fmt: skip
+            launch(plan, q, k, v, out, 0.1, ws, fixed_grid=fixed_grid, chain_launches=chained)
             outs.append(out)
         torch.cuda.synchronize()
         for out in outs:
@@ -493,17 +549,14 @@ def test_chained_launches_match_serial(fixed_grid):
             assert torch.equal(outs[0], out), spec
 
 
-@pytest.mark.parametrize("mode", ["finish", "merge_all", "unchained", "concurrent", "fixed",
-                                  "tile16"])  # fmt: skip
-def test_leaf_launch_finishes_merged_tokens(mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["finish", "merge_all", "unchained", "concurrent", "fixed"])
+def test_leaf_launch_finishes_merged_tokens(mode):
     # Plans whose leaf items finish merged tokens (all of them in 1,256_256,32; some in a
     # random forest with speculative runs) against the reference, with the leaf launch
     # finishing them (last launch, chained or not, or under a fixed grid), and with the merge
-    # taking every token (finish off, concurrent groups, the 16-row tile instead of the leaf
-    # kernel). Partial rows are poisoned, so a finisher that read one before its launch wrote
-    # it, or a merge that read a finished token's unwritten row, writes NaN.
-    if mode == "tile16":
-        monkeypatch.setenv("PREFIXATTN_LEAF_KERNEL", "0")
+    # taking every token (finish off, concurrent groups). Partial rows are poisoned, so a
+    # finisher that read one before its launch wrote it, or a merge that read a finished
+    # token's unwritten row, writes NaN.
     rng = np.random.default_rng(12)
     forest = random_forest(rng, 16, 60, 40, 97)  # 80 of 101 merged tokens finish
     qo_forest = np.minimum(rng.integers(1, 4, size=60), forest[1]).astype(np.int32)
@@ -519,14 +572,24 @@ def test_leaf_launch_finishes_merged_tokens(mode, monkeypatch):
         pa.one_launch_in_one_wave = False
         plan = pa.plan(table, lens, qo_indptr)
         assert plan.num_finished > 0, plan.summary()
-        ws = _ops.Workspace(DEV, torch.bfloat16)
+        ws = Workspace(DEV, torch.bfloat16)
         ws.reserve(plan.num_partials, 32, 128, torch.bfloat16)
         ws.partial_o.fill_(float("nan"))
         ws.partial_lse.fill_(float("nan"))
         out = torch.full_like(q, float("nan"))
-        _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws, chained=mode != "unchained",
-                           fixed_grid=mode == "fixed", concurrent=mode == "concurrent",
-                           finish=mode != "merge_all")  # fmt: skip
+        launch(
+            plan,
+            q,
+            k,
+            v,
+            out,
+            0.1,
+            ws,
+            chain_launches=mode != "unchained",
+            fixed_grid=mode == "fixed",
+            concurrent_groups=mode == "concurrent",
+            finish=mode != "merge_all",
+        )
         ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", 0.1)
         assert not torch.isnan(out).any(), f"{mode}: unwritten output or early-read partials"
         assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{mode}: ")
@@ -537,8 +600,20 @@ def test_long_kv(split_kv):
     # One 4097-token request next to short ones: the split path and many KV tiles.
     table = np.arange(3 * 257, dtype=np.int32).reshape(3, 257)
     lens = np.array([4097, 17, 1], dtype=np.int32)
-    check(32, 8, 128, 16, torch.bfloat16, "NHD", False, table, lens, 3 * 257,
-          np.ones(3, dtype=np.int32), split_kv=split_kv)  # fmt: skip
+    check(
+        32,
+        8,
+        128,
+        16,
+        torch.bfloat16,
+        "NHD",
+        False,
+        table,
+        lens,
+        3 * 257,
+        np.ones(3, dtype=np.int32),
+        split_kv=split_kv,
+    )
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -558,8 +633,20 @@ def test_merge_many_partials(d, length, short, parts):
     for i in range(short):
         table[1 + i, :3] = pages + 3 * i + np.arange(3)
     lens = np.array([length] + [33] * short, dtype=np.int32)
-    plan = check(40, 8, d, 16, torch.float16, "NHD", False, table, lens, num_pages,
-                 np.ones(1 + short, dtype=np.int32), split_target=0)  # fmt: skip
+    plan = check(
+        40,
+        8,
+        d,
+        16,
+        torch.float16,
+        "NHD",
+        False,
+        table,
+        lens,
+        num_pages,
+        np.ones(1 + short, dtype=np.int32),
+        split_target=0,
+    )
     assert plan.num_merge_tokens == 1
     assert int(np.diff(plan.host.merge_indptr).max()) == parts
 
@@ -599,8 +686,21 @@ def test_root_tiles(case, qlen):
         table[i, : len(r)] = r
     lens = np.asarray(lens, dtype=np.int32)
     qo = np.full(batch, qlen, dtype=np.int32)
-    plan = check(hq, hkv, d, ps, dtype, layout, inter, table, lens, next_page, qo, split_kv=False,
-                 narrow=False)  # fmt: skip
+    plan = check(
+        hq,
+        hkv,
+        d,
+        ps,
+        dtype,
+        layout,
+        inter,
+        table,
+        lens,
+        next_page,
+        qo,
+        split_kv=False,
+        narrow=False,
+    )
     m128 = [i for i, (m, _) in enumerate(plan.tiles) if m == 128]
     assert m128 and any(plan.tile_indptr[t + 1] > plan.tile_indptr[t] for t in m128), plan.summary()
 
@@ -615,12 +715,12 @@ def test_cuda_graph_replay():
     plan = pa.plan(table, lens)
     q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(torch.bfloat16)
     out = torch.empty_like(q)
-    ws = _ops.Workspace(DEV)
-    _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws)  # warm-up: sizes the workspace
+    ws = Workspace(DEV)
+    launch(plan, q, k, v, out, 0.1, ws)  # warm-up: sizes the workspace
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _ops.run_plan_cuda(plan, q, k, v, out, 0.1, ws)
+        launch(plan, q, k, v, out, 0.1, ws)
     q.copy_(torch.randn(q.shape, generator=gen, device=DEV))
     out.fill_(float("nan"))
     graph.replay()
@@ -657,8 +757,9 @@ def test_cuda_graph_replays_new_plans(mode):
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
     pa.concurrent_groups = mode == "concurrent"
     pa.chain_launches = mode == "chained"
-    pa.reserve(num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024,
-               num_tokens=b)  # fmt: skip
+    pa.reserve(
+        num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024, num_tokens=b
+    )
     generation = pa.buffers_generation
     q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -690,7 +791,7 @@ def test_unsupported_dtype_raises():
     q = torch.zeros(1, 4, 128, device=DEV, dtype=torch.float32)
     k = torch.zeros(1, 16, 4, 128, device=DEV, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="float16 and bfloat16"):
-        _ops.run_plan_cuda(plan, q, k, k, q.clone(), 0.1, _ops.Workspace(DEV))
+        launch(plan, q, k, k, q.clone(), 0.1)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -763,8 +864,13 @@ def test_cuda_graph_replays_hinted_plans():
     k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
     # The fallback reads every request's own pages: up to 64 x 2064 tokens of 16.
-    pa.reserve(num_work_items=8 * b + 1024, num_pages=b * 140, num_slots=8 * b + 1024,
-               num_tokens=b, hinted=True)  # fmt: skip
+    pa.reserve(
+        num_work_items=8 * b + 1024,
+        num_pages=b * 140,
+        num_slots=8 * b + 1024,
+        num_tokens=b,
+        hinted=True,
+    )
     generation = pa.buffers_generation
     q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -775,8 +881,13 @@ def test_cuda_graph_replays_hinted_plans():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pa.run(q, k, v, out=out)
-    steps = [("1,4,64_512,256,33", "exact"), ("1,64_2048,16", "one_row"), ("64_700", "plain"),
-             ("1,2,64_1024,16,300", "exact"), ("1,64_1024,100", "one_row")]  # fmt: skip
+    steps = [
+        ("1,4,64_512,256,33", "exact"),
+        ("1,64_2048,16", "one_row"),
+        ("64_700", "plain"),
+        ("1,2,64_1024,16,300", "exact"),
+        ("1,64_1024,100", "one_row"),
+    ]
     for i, (spec, kind) in enumerate(steps):
         table, lens = tree_batch(spec, ps, seed=i + 1)
         assert len(lens) == b and table.max() < num_pages

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from prefixattn import SharingProbe
 
-from prefixattn import SharingProbe  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 
 def test_verdict_after_the_copy_lands():

@@ -1,0 +1,703 @@
+"""The engine-facing API: ``PrefixAttention(...).plan(...)`` once per step, ``.run(...)`` per layer.
+
+:class:`PrefixAttention` ties the stages together: the host planner (:mod:`prefixattn.plan`)
+turns a block table into a plan, and the device stage (:mod:`prefixattn.runtime`) loads its
+arrays into fixed-address buffers and runs it on the CUDA kernels or the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
+
+import numpy as np
+import torch
+
+from . import checks
+from .options import LaunchOptions, PlanOptions
+from .plan.device_table import hint_checks, hint_positions, hinted_table, table_positions
+from .plan.layout import variant_mask
+from .plan.packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
+from .plan.planner import HostPlan, build_host_plan
+from .plan.tiles import SUPPORTED_HEAD_DIMS, tile_table
+from .plan.types import LaunchPlan, PlanArrays
+from .runtime import library
+from .runtime.buffers import (
+    HintedState,
+    PlanBuffers,
+    Workspace,
+    buffer_sizes,
+    load_plan_arrays,
+    pages_differ,
+)
+from .runtime.launch import run_plan
+from .runtime.reference import run_plan_reference
+
+KV_LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""dtypes ``run`` accepts; the CUDA kernels take float16 and bfloat16, the reference all four."""
+
+DEFAULT_SPLIT_TARGET = 132
+"""``PrefixAttention.split_target`` of a plan built for a CPU device: the SM count of an
+H100 / H200 SXM."""
+
+DECODE_DEPTH_ALLOWANCE = 16
+"""Prefix levels per request that :func:`decode_reservation` allows for (system prompt,
+template, document, conversation turns, ...). Deeper forests are legal; a plan that then
+outgrows a reservation bumps ``buffers_generation``."""
+
+
+def decode_slots_per_token(
+    max_context_len: int, max_requests: int, depth_allowance: int = DECODE_DEPTH_ALLOWANCE
+) -> int:
+    """(work item, token) slots one decode token can take in a plan.
+
+    The work items a token joins cut its KV into pieces: one per forest node on its path (up
+    to ``depth_allowance``) plus the long-KV split parts. A split part is never shorter than
+    ``MIN_SPLIT_TOKENS``, so a token joins at most ``min(ceil(L / MIN_SPLIT_TOKENS), 2 * B)``
+    extra parts (B requests make at most 2B - 1 forest nodes).
+    """
+    parts = min(2 * max_requests, -(-max_context_len // MIN_SPLIT_TOKENS)) + 1
+    return depth_allowance + parts
+
+
+def decode_reservation(
+    max_requests: int,
+    max_tokens: int,
+    max_context_len: int,
+    page_size: int,
+    slots_per_token: int | None = None,
+) -> dict[str, int]:
+    """Sizes for :meth:`PrefixAttention.reserve` that no decode batch of up to
+    ``max_requests`` requests and ``max_tokens`` query tokens, each with KV length at most
+    ``max_context_len``, outgrows (CUDA-graph capture).
+
+    ``slots_per_token`` defaults to :func:`decode_slots_per_token`. Every item holds at least
+    one (item, token) slot; the page ids of all items add up to at most one read per request
+    of its own pages (the query-centric total) plus one partial page per item.
+    """
+    if slots_per_token is None:
+        slots_per_token = decode_slots_per_token(max_context_len, max_requests)
+    slots = max_tokens * slots_per_token + 1024
+    pages_per_request = -(-max_context_len // page_size) + 1
+    return {
+        "num_work_items": slots,
+        "num_pages": max_requests * pages_per_request + slots,
+        "num_slots": slots,
+        "num_tokens": max_tokens,
+    }
+
+
+_T = TypeVar("_T")
+
+
+class _Option(Generic[_T]):
+    """An attribute of :class:`PrefixAttention` that reads and writes (validated) one field
+    of its ``plan_options`` or ``launch_options``."""
+
+    def __init__(self, group: str, cls: type) -> None:
+        self.group = group
+        self.cls = cls
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"``{self.group}.{name}`` (see :class:`{self.cls.__name__}`)."
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Option[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> _T: ...
+    def __get__(self, obj: object | None, owner: type) -> _Option[_T] | _T:
+        if obj is None:
+            return self
+        value: _T = getattr(getattr(obj, self.group), self.name)
+        return value
+
+    def __set__(self, obj: object, value: _T) -> None:
+        setattr(getattr(obj, self.group), self.name, value)
+
+
+class PrefixAttention:
+    """Prefix-aware paged attention for one model's attention shape.
+
+    Build one per model (or per attention shape) and keep it: it owns the plan's device buffers.
+    Each step, call :meth:`plan` once with the batch's block table and lengths; then call
+    :meth:`run` in every layer with that layer's query and KV cache.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads:
+        Query and KV heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads``
+        (group sizes 1 to 16).
+    head_dim:
+        64, 128 or 256.
+    page_size:
+        Tokens per KV page, 1 to 128.
+    kv_layout:
+        ``"NHD"``: caches are [num_pages, page_size, num_kv_heads, head_dim];
+        ``"HND"``: [num_pages, num_kv_heads, page_size, head_dim]. Any strides are accepted
+        as long as the last dimension is contiguous.
+    device:
+        Where plans put their index arrays (default: CPU).
+    dtype:
+        Element type of q and the caches; it sets the byte accounting and the packer's cost
+        model, and ``run`` checks it.
+    plan_options, launch_options:
+        The tuning knobs (:class:`~prefixattn.PlanOptions`, :class:`~prefixattn.LaunchOptions`;
+        default: their defaults). Each knob is also an attribute of this object
+        (``split_target``, ``chain_launches``, ...) that reads and writes the options, checked
+        when set.
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        kv_layout: str = "NHD",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        plan_options: PlanOptions | None = None,
+        launch_options: LaunchOptions | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_qo_heads", num_qo_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("page_size", page_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if num_qo_heads // num_kv_heads > 16:
+            raise ValueError(
+                f"GQA group size {num_qo_heads // num_kv_heads} is not supported (at most 16)"
+            )
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"unsupported head_dim {head_dim}; supported: "
+                + ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+            )
+        if page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size {page_size} is larger than {MAX_PAGE_SIZE}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {dtype}; expected one of {SUPPORTED_DTYPES}")
+        for name, opts, cls in (
+            ("plan_options", plan_options, PlanOptions),
+            ("launch_options", launch_options, LaunchOptions),
+        ):
+            if opts is not None and not isinstance(opts, cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(opts).__name__}")
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.kv_layout = kv_layout
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {self.device} requested but CUDA is not available")
+        self.dtype = dtype
+        self.plan_options = PlanOptions() if plan_options is None else plan_options
+        """How plans are built (host work); see :class:`PlanOptions`."""
+        self.launch_options = LaunchOptions() if launch_options is None else launch_options
+        """How ``run`` launches plans; see :class:`LaunchOptions`."""
+        self.tiles = tile_table(head_dim)
+        """The tile table plans choose (m, n) tiles from (``prefixattn.plan.tiles``)."""
+        self._shape = BatchShape(
+            num_qo_heads, num_kv_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
+        )
+        self._plan: LaunchPlan | None = None
+        self._buffers: PlanBuffers | None = None
+        self._workspace: Workspace | None = None
+        self._hinted: HintedState | None = None
+
+    # The knobs of both option groups, as attributes (validated when set).
+    native_plan = _Option[bool]("plan_options", PlanOptions)
+    split_target = _Option[int | None]("plan_options", PlanOptions)
+    pack_heads = _Option[bool]("plan_options", PlanOptions)
+    finish_in_leaf = _Option[bool]("plan_options", PlanOptions)
+    one_launch_in_one_wave = _Option[bool]("plan_options", PlanOptions)
+    use_kernels = _Option[bool]("launch_options", LaunchOptions)
+    prefetch_tiles = _Option[int]("launch_options", LaunchOptions)
+    fixed_grid = _Option[bool]("launch_options", LaunchOptions)
+    concurrent_groups = _Option[bool]("launch_options", LaunchOptions)
+    chain_launches = _Option[bool]("launch_options", LaunchOptions)
+
+    cuda_graph_safe = True
+    """With the CUDA kernels, :meth:`run` may be captured in a CUDA graph: under capture it
+    launches grids that fill the device and read every size from the plan's device arrays, so
+    a replay runs whatever plan :meth:`plan` last wrote into the same buffers (valid while
+    :attr:`buffers_generation` is unchanged; q, the caches and ``out`` must be the captured
+    tensors, and the plan must have the captured number of tokens)."""
+
+    @property
+    def buffers_generation(self) -> int:
+        """Bumped whenever a plan outgrows the device buffers its arrays live in, or the
+        partials scratch (CUDA only).
+
+        A CUDA graph captured over :meth:`run` stays valid across plans while this value is
+        unchanged; call :meth:`reserve` before capturing to size the buffers for the largest
+        batch.
+        """
+        main = 0 if self._buffers is None else self._buffers.generation
+        # Both only grow, so their sum changes whenever either does.
+        return main + (0 if self._hinted is None else self._hinted.buffers.generation)
+
+    @property
+    def last_plan(self) -> LaunchPlan | None:
+        """The plan :meth:`run` uses (the last one :meth:`plan` built)."""
+        return self._plan
+
+    def reserve(
+        self,
+        num_work_items: int,
+        num_pages: int,
+        num_slots: int,
+        num_tokens: int,
+        *,
+        hinted: bool = False,
+    ) -> None:
+        """Size the plan's device buffers and the partials scratch (CUDA devices) for
+        plans up to these counts.
+
+        num_work_items: work items; num_pages: page ids over all items (at most the query-
+        centric total); num_slots: (item, token) pairs; num_tokens: tokens per step.
+        hinted: also set up (and size) the fallback of :meth:`plan_hinted`, so that every
+        :meth:`run` from now on, and every CUDA graph captured over it, also launches the
+        fallback plan (empty unless a hinted plan's check failed). Needed before capturing
+        graphs that will replay hinted plans.
+        """
+        if self.device.type != "cuda":
+            return
+        sizes = buffer_sizes(num_work_items, num_pages, num_slots, num_tokens)
+        self._main_buffers().reserve(**sizes)
+        if hinted:
+            state = self._enable_hinted()
+            state.buffers.reserve(**sizes)
+            # Reload the empty fallback: the graphs captured next must read the reserved
+            # buffers, not the ones they replaced.
+            state.plan = self._empty_fallback(state)
+        # Every partial row is one (item, token) slot, so slots bound the partials.
+        self._reserve_workspace(num_slots)
+
+    # ------------------------------------------------------------------ plan
+    def plan(
+        self,
+        block_table: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        packing: str = "memory",
+        split_kv: bool = True,
+    ) -> LaunchPlan:
+        """Build the step's launch plan (host work; not for CUDA-graph capture).
+
+        Parameters
+        ----------
+        block_table:
+            int32 [B, max_pages]; row b's first ``ceil(seq_lens[b] / page_size)`` entries are
+            its pages, later entries are ignored. Equal leading entries mean shared KV.
+        seq_lens:
+            int32 [B]; KV length of each request, including its new tokens.
+        qo_indptr:
+            int32 [B+1]; request b's new tokens are rows ``qo_indptr[b]:qo_indptr[b+1]`` of
+            ``q``. None means one new token per request (decode).
+        packing:
+            ``"memory"`` (prefix-aware, default), ``"naive"`` (one work item per forest node) or
+            ``"per_query"`` (one per request: the query-centric baseline).
+        split_kv:
+            Split work items longer than the batch mean into equal parts.
+
+        Device tensors are copied to the host (one sync); engines that keep host copies of
+        their block tables should pass those.
+        """
+        checks.check_split_kv(split_kv)
+        table, lens, indptr = checks.plan_inputs(
+            block_table, seq_lens, qo_indptr, packing, PACKINGS
+        )
+        checks.check_lengths(table, lens, indptr, self.page_size)
+        table = checks.int32_page_ids(table, lens, indptr, self.page_size)
+        plan = self._plan_host(table, lens, indptr, packing, split_kv)
+        self._quiet_fallback()
+        return plan
+
+    def plan_unshared(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        rows: torch.Tensor | np.ndarray | None = None,
+        split_kv: bool = True,
+    ) -> LaunchPlan:
+        """A plan that reads no page id on the host, so it never waits for the GPU.
+
+        Every request gets work items of its own (the ``per_query`` packing: shared pages,
+        if any, are read once per request). The items' page ids are taken from
+        ``block_table`` on its device, after the plan's arrays are loaded and in stream
+        order. The result is correct for any batch; an engine uses it for steps where it
+        expects no sharing (for example when the last step it looked at had none), and
+        :meth:`plan` otherwise.
+
+        Parameters
+        ----------
+        block_table:
+            int32 tensor [R, W] on this object's device, last dimension contiguous (a slice
+            of rows of an engine's larger table is fine). Its page ids are not checked on the
+            host: they must be valid pages of the caches passed to :meth:`run`.
+        seq_lens, qo_indptr:
+            Host arrays as in :meth:`plan`.
+        rows:
+            Host int array [B]: the row of ``block_table`` request b reads (default b), e.g.
+            any real row for an engine's padding requests.
+        """
+        checks.check_split_kv(split_kv)
+        lens, indptr, row_of, cols = checks.device_table_inputs(
+            block_table, seq_lens, qo_indptr, rows, self.device, self.page_size
+        )
+        # Positions as page ids: rows never share one, so the forest has no sharing.
+        positions = table_positions(row_of, block_table.shape[1], cols)
+        checks.check_lengths(positions, lens, indptr, self.page_size)
+        plan = self._plan_host(
+            positions, lens, indptr, "per_query", split_kv, page_table=block_table
+        )
+        self._quiet_fallback()
+        return plan
+
+    def plan_hinted(
+        self,
+        block_table: torch.Tensor,
+        hint: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        qo_indptr: torch.Tensor | np.ndarray | None = None,
+        *,
+        rows: torch.Tensor | np.ndarray | None = None,
+        private: torch.Tensor | np.ndarray | None = None,
+    ) -> LaunchPlan:
+        """A prefix-aware decode plan whose forest comes from a host ``hint`` of the block
+        table (for example the previous step's copy), so it never waits for the GPU.
+
+        The hint only decides which requests share which pages. Every page id the kernels read
+        is taken from ``block_table`` on its device, in stream order; a device check then
+        compares, for every work item, the pages of each of its requests with those of the
+        request it reads them from. If any differ (the hint was stale: rows were reordered,
+        replaced or rewritten), the plan's launches do nothing and a per-request plan (as
+        :meth:`plan_unshared`, no split) that was loaded beside it runs instead. The result
+        is correct for any hint; a good hint makes it as fast as :meth:`plan`.
+
+        Parameters
+        ----------
+        block_table:
+            int32 tensor [R, W] on this object's device, last dimension contiguous (as in
+            :meth:`plan_unshared`).
+        hint:
+            Host int array [R', W'] believed to equal ``block_table``'s first R' rows on its
+            first W' columns; negative entries mean unknown (e.g. pages a request gained since
+            the copy). Rows and columns it lacks are unknown too; unknown pages are private.
+        seq_lens, qo_indptr, rows:
+            As in :meth:`plan_unshared`; at most one new token per request (decode steps).
+        private:
+            Host bool array [B]: requests whose pages the hint does not describe (e.g. an
+            engine's padding requests, which read some real row): planned as sharing nothing.
+
+        On a CUDA device the first call sets up the fallback's buffers (see :meth:`reserve`,
+        ``hinted``); from then on every :meth:`run` also launches the fallback plan, which is
+        empty unless a hinted plan's check failed.
+        """
+        lens, indptr, row_of, cols = checks.device_table_inputs(
+            block_table, seq_lens, qo_indptr, rows, self.device, self.page_size
+        )
+        q_lens = np.diff(indptr)
+        if (q_lens > 1).any():
+            r = int(np.flatnonzero(q_lens > 1)[0])
+            raise ValueError(
+                f"plan_hinted plans decode steps (at most one new token per request), but "
+                f"request {r} has {int(q_lens[r])}; plan this step with plan() or plan_unshared()"
+            )
+        hint_arr = checks.host_int_array("hint", hint, ndim=2)
+        width, ps = block_table.shape[1], self.page_size
+        if isinstance(private, torch.Tensor):
+            private = private.cpu()
+        table = hinted_table(hint_arr, row_of, cols, private)
+        checks.check_lengths(table, lens, indptr, ps)
+        positions = table_positions(row_of, width, cols)
+        state = self._enable_hinted() if self.device.type == "cuda" else None
+        fallback = self._plan_host(
+            positions, lens, indptr, "per_query", False, page_table=block_table,
+            buffers=None if state is None else state.buffers, remember=False,
+        )  # fmt: skip
+        if state is not None:
+            # From now on the launches read the fallback through views of the buffers as they
+            # are now (they may have grown for this plan).
+            state.plan = fallback
+            used = variant_mask({m for m, _ in fallback.tiles})
+            if fallback.num_merge_tokens or used & ~state.variants:
+                raise RuntimeError(
+                    f"prefixattn internal error: the fallback plan uses tiles {fallback.tiles} "
+                    f"and {fallback.num_merge_tokens} merges, outside its launches"
+                )
+        primary = self._plan_host(
+            table, lens, indptr, "memory", True, page_table=block_table,
+            positions_of=lambda host: hint_positions(host, indptr, row_of, width, ps),
+        )  # fmt: skip
+        runs = hint_checks(primary.host, indptr, row_of, width, ps)
+        taken = pages_differ(block_table, runs, state, self.device)
+        primary.counts.mul_((~taken).to(torch.int32))
+        fallback.counts.mul_(taken.to(torch.int32))
+        plan = dataclasses.replace(primary, fallback=fallback, fallback_taken=taken)
+        self._plan = plan
+        return plan
+
+    # ------------------------------------------------------------------- run
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float | None = None,
+        out: torch.Tensor | None = None,
+        plan: LaunchPlan | None = None,
+    ) -> torch.Tensor:
+        """Attention of the planned batch for one layer.
+
+        Parameters
+        ----------
+        q:
+            [T, Hq, D], T = ``qo_indptr[-1]`` of the plan; float16 or bfloat16 (CPU reference:
+            also float32/float64), the dtype given to the constructor.
+        k_cache, v_cache:
+            Paged caches in ``kv_layout``, same dtype and device as ``q``; last dim contiguous.
+        scale:
+            Softmax scale; default ``1/sqrt(head_dim)``.
+        out:
+            Optional [T, Hq, D] output, written in place (caller-owned: CUDA-graph friendly).
+        plan:
+            The plan to run (default: the last one :meth:`plan` built).
+
+        Returns ``out`` (or a new tensor). On CUDA float16/bfloat16 tensors, with a library
+        built with the CUDA kernels, the plan runs on the kernels (no host sync, no allocation
+        once the scratch is reserved; capturable in a CUDA graph, see :attr:`cuda_graph_safe`);
+        otherwise the PyTorch reference executes it (``prefixattn.runtime.reference.run_plan_reference``).
+        """
+        plan = plan if plan is not None else self._plan
+        if plan is None:
+            raise RuntimeError("PrefixAttention.run called before plan()")
+        geometry = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                    self.kv_layout)  # fmt: skip
+        checks.check_run_inputs(geometry, self.dtype, plan, q, k_cache, v_cache, out)
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else checks.check_scale(scale)
+        if out is None:
+            out = torch.empty_like(q)
+        launch = self.launch_options
+        kernels = launch.use_kernels and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        if kernels and library.cuda_ops_available():
+            if self._workspace is None:
+                self._workspace = Workspace(q.device, q.dtype)
+            finish = self.plan_options.finish_in_leaf
+            run_plan(plan, q, k_cache, v_cache, out, scale, self._workspace, launch,
+                     finish=finish)  # fmt: skip
+            if self._hinted is not None:
+                # The fallback of hinted plans: its counts are zero unless a check failed
+                # (then the plan above did nothing).
+                fallback = plan.fallback or self._hinted.plan
+                assert fallback is not None
+                run_plan(
+                    fallback, q, k_cache, v_cache, out, scale, self._workspace, launch,
+                    finish=finish, fixed_variants=self._hinted.variants, host_counts=False,
+                )  # fmt: skip
+            return out
+        if plan.fallback is not None and plan.fallback_taken is not None and plan.fallback_taken:
+            plan = plan.fallback  # the hint's check failed
+        return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
+
+    # ------------------------------------------------------------- internals
+    def _main_buffers(self) -> PlanBuffers:
+        if self._buffers is None:
+            self._buffers = PlanBuffers(self.device)
+        return self._buffers
+
+    def _enable_hinted(self) -> HintedState:
+        """The fallback state of hinted plans (created once, with an empty fallback plan)."""
+        if self._hinted is not None:
+            return self._hinted
+        state = HintedState(self.device)
+        self._hinted = state
+        state.plan = self._empty_fallback(state)
+        # A fallback plan (one decode token per request, no split) only ever uses the tile
+        # height of one token's rows, and has no merge.
+        height = self.tiles.select(self.num_qo_heads // self.num_kv_heads, 1)[0]
+        state.variants = variant_mask({height})
+        return state
+
+    def _empty_fallback(self, state: HintedState) -> LaunchPlan:
+        """A fallback plan with zero counts, loaded into the hinted state's buffers."""
+        one = np.ones(1, np.int64)
+        plan = self._plan_host(
+            np.zeros((1, 1), np.int32), one, np.arange(2, dtype=np.int64), "per_query", False,
+            buffers=state.buffers, remember=False,
+        )  # fmt: skip
+        plan.counts.zero_()
+        return plan
+
+    def _quiet_fallback(self) -> None:
+        """A plan that is not hinted was loaded: the fallback launches must do nothing."""
+        if self._hinted is not None and self._hinted.plan is not None:
+            self._hinted.plan.counts.zero_()
+
+    def _reserve_workspace(self, num_partials: int) -> None:
+        if self._workspace is None:
+            self._workspace = Workspace(self.device, self.dtype)
+        if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim, self.dtype):
+            self._main_buffers().generation += 1
+
+    def _plan_host(
+        self,
+        table: np.ndarray,
+        lens: np.ndarray,
+        indptr: np.ndarray,
+        packing: str,
+        split_kv: bool,
+        page_table: torch.Tensor | None = None,
+        *,
+        positions_of: Callable[[PlanArrays], np.ndarray] | None = None,
+        buffers: PlanBuffers | None = None,
+        remember: bool = True,
+    ) -> LaunchPlan:
+        """The plan of checked host inputs; with ``page_table``, the page array loaded holds
+        positions in it (row * width + column) that are replaced by its entries on the device:
+        ``table``'s own entries, or ``positions_of(host arrays)``. ``buffers``: where the
+        arrays go on a CUDA device (default: this object's); ``remember``: make it the plan
+        :meth:`run` uses by default."""
+        options = self.plan_options
+        if options.split_target is None:
+            options.split_target = _sm_count(self.device)
+        native = options.native_plan and library.native_plan_available()
+        hp = build_host_plan(
+            table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
+            split_target=options.split_target, sm_count=_sm_count(self.device), native=native,
+            finish_in_leaf=options.finish_in_leaf,
+            one_launch_in_one_wave=options.one_launch_in_one_wave, pack_heads=options.pack_heads,
+        )  # fmt: skip
+        arrays = hp.device_arrays()
+        if positions_of is not None:
+            arrays["kv_pages"] = positions_of(hp.host)
+        views = load_plan_arrays(
+            arrays,
+            self.device,
+            lambda: buffers if buffers is not None else self._main_buffers(),
+            page_table,
+        )
+        if self.device.type == "cuda":
+            # The partials scratch grows here, on the host side of the step, so that
+            # buffers_generation tells graph users about it before any replay.
+            self._reserve_workspace(hp.num_partials)
+        plan = self._launch_plan(hp, packing, split_kv, table.shape[0], views, page_table)
+        if remember:
+            self._plan = plan
+        return plan
+
+    def _launch_plan(
+        self,
+        hp: HostPlan,
+        packing: str,
+        split_kv: bool,
+        batch_size: int,
+        views: dict[str, torch.Tensor],
+        page_table: torch.Tensor | None,
+    ) -> LaunchPlan:
+        device_arrays: dict[str, Any] = {n: views[n] for n in hp.device_arrays()}
+        return LaunchPlan(
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            kv_layout=self.kv_layout,
+            packing=packing,
+            split_kv=split_kv,
+            batch_size=batch_size,
+            num_tokens=hp.num_tokens,
+            num_work_items=len(hp.host.kv_len),
+            num_partials=hp.num_partials,
+            num_merge_tokens=len(hp.host.merge_tokens),
+            # Page ids read from a device table are not known on the host.
+            max_page_id=-1 if page_table is not None else hp.max_page_id,
+            tiles=hp.tiles,
+            tile_indptr=hp.tile_indptr,
+            num_ctas=len(hp.host.kv_len) * self.num_kv_heads,
+            kv_bytes=hp.kv_bytes,
+            partial_bytes=hp.partial_bytes,
+            distinct_kv_bytes=hp.distinct_kv_bytes,
+            query_centric_kv_bytes=hp.query_centric_kv_bytes,
+            qo_bytes=hp.qo_bytes,
+            device=self.device,
+            **device_arrays,
+            host=hp.host,
+            forest=hp.forest,
+            num_finished=hp.num_finished,
+            leaf_max_rows=hp.leaf_max_rows,
+            leaf_tiles=hp.leaf_tiles,
+            narrow=hp.narrow,
+        )
+
+
+class CapturedBuffers:
+    """Guards CUDA graphs captured over :meth:`PrefixAttention.run`: they read the plan
+    buffers of the ``buffers_generation`` they were captured with, and a plan that outgrew
+    those buffers (the generation changed) leaves them reading freed memory.
+
+    Call :meth:`pin` when capturing (or right after :meth:`PrefixAttention.reserve`) and
+    :meth:`check` after every plan a replay will read; both raise ``RuntimeError`` with
+    ``remedy`` (what the engine's user can change) once the buffers moved.
+    """
+
+    def __init__(self, remedy: str) -> None:
+        self.remedy = remedy
+        self.captured_generation: int | None = None
+        """``buffers_generation`` at the first :meth:`pin`; None before."""
+
+    def pin(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is None:
+            self.captured_generation = gen
+        elif gen != self.captured_generation:
+            raise RuntimeError(
+                "prefixattn: the plan buffers grew between two CUDA graph captures "
+                f"(generation {self.captured_generation} -> {gen}), so the graphs captured "
+                f"first are stale. {self.remedy}"
+            )
+
+    def check(self, attention: PrefixAttention) -> None:
+        gen = attention.buffers_generation
+        if self.captured_generation is None or gen == self.captured_generation:
+            return
+        plan = attention.last_plan
+        size = (
+            ""
+            if plan is None
+            else f" ({plan.num_tokens} tokens, {plan.num_work_items} work items, "
+            f"{len(plan.q_tokens)} query slots, {len(plan.kv_pages)} pages)"
+        )
+        raise RuntimeError(
+            f"prefixattn: this step's plan{size} outgrew the buffers reserved for the "
+            f"captured CUDA graphs (buffers generation {self.captured_generation} -> {gen}); "
+            f"replaying them would read freed buffers. {self.remedy}"
+        )
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (``DEFAULT_SPLIT_TARGET`` for a CPU device)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return DEFAULT_SPLIT_TARGET

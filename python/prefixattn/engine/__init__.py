@@ -1,0 +1,1 @@
+"""Serving helpers that every engine integration shares."""

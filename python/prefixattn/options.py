@@ -1,0 +1,128 @@
+"""The tuning knobs of :class:`~prefixattn.PrefixAttention`, with their defaults.
+
+:class:`PlanOptions` are read by ``plan*`` (host work), :class:`LaunchOptions` by ``run``.
+Every field is checked when it is set (at construction or later): a wrong type raises
+``TypeError`` and a value out of range ``ValueError``, both naming the option. This module
+imports nothing of the package, so every stage may refer to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be a bool, got {value!r}")
+
+
+def _check_count(owner: str, name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = "None or an int" if optional else "an int"
+        raise TypeError(f"{owner}.{name} must be {what}, got {value!r}")
+    if not 0 <= value <= _INT32_MAX:
+        raise ValueError(f"{owner}.{name} must be in [0, {_INT32_MAX}], got {value}")
+
+
+class _Checked:
+    """Dataclass base whose fields are validated on every assignment."""
+
+    _CHECKS: ClassVar[dict[str, Any]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = self._CHECKS.get(name)
+        if check is None:
+            raise AttributeError(
+                f"{type(self).__name__} has no option {name!r}; options: " + ", ".join(self._CHECKS)
+            )
+        check(type(self).__name__, name, value)
+        object.__setattr__(self, name, value)
+
+
+@dataclasses.dataclass(eq=True, repr=True)
+class PlanOptions(_Checked):
+    """How ``PrefixAttention.plan*`` builds plans."""
+
+    native_plan: bool = True
+    """Build plans with the compiled planner when it is installed (identical output to the
+    Python ``build_forest`` + ``pack``, which is used otherwise or when False)."""
+
+    split_target: int | None = None
+    """(work item, KV head) pairs the GPU runs at once; None (default): the device's SM count,
+    read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device), which then stays
+    here. A long row chunk is split only where its KV is more than twice its launch's KV
+    tokens per SM (``prefixattn.plan.packing``); 0 splits every long item."""
+
+    pack_heads: bool = True
+    """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the items'
+    rows fit and the launch keeps at least ``split_target`` pairs
+    (``prefixattn.plan.layout.packed_heads``): fewer, larger pairs for short decode items
+    (docs/kernel-notes.md, v14). False: one KV head per pair."""
+
+    finish_in_leaf: bool = True
+    """Plans let the leaf kernel (16-row tiles, head_dim <= 128) finish the merged tokens with
+    exactly one slot in its items: the CUDA launcher then runs the leaf launch after the other
+    forward launches, and its warps merge those tokens' other partial rows into the output, so
+    the merge launch takes only the rest (``prefixattn.plan.packing.finish_in_leaf``;
+    docs/kernel-notes.md, v25). False: every merged token goes through the merge launch, and
+    the leaf launch runs first. ``run`` reads it too."""
+
+    one_launch_in_one_wave: bool = True
+    """When all (work item, KV head) pairs of a plan fit in one wave (at most
+    ``split_target``), give every item the plan's largest tile height, so that the forward
+    kernels run as one launch instead of one per height (docs/kernel-notes.md, v8). False:
+    each item keeps its own tile height."""
+
+    _CHECKS: ClassVar[dict[str, Any]] = {
+        "native_plan": _check_bool,
+        "split_target": lambda o, n, v: _check_count(o, n, v, optional=True),
+        "pack_heads": _check_bool,
+        "finish_in_leaf": _check_bool,
+        "one_launch_in_one_wave": _check_bool,
+    }
+
+
+@dataclasses.dataclass(eq=True, repr=True)
+class LaunchOptions(_Checked):
+    """How ``PrefixAttention.run`` launches a plan on the CUDA kernels."""
+
+    use_kernels: bool = True
+    """Run plans on the CUDA kernels when they are built (CUDA fp16/bf16 tensors); False: on
+    the PyTorch reference."""
+
+    prefetch_tiles: int = 0
+    """Prefetch KV into L2 this many 64-token tiles ahead of the copies
+    (``cp.async.bulk.prefetch.L2``); 0 turns it off (see docs/kernel-notes.md)."""
+
+    fixed_grid: bool = False
+    """Launch the plan-independent grids used under graph capture even when not capturing
+    (for tests and measurements)."""
+
+    concurrent_groups: bool = False
+    """Run the tile groups (one launch per query-tile height) on forked streams at once
+    instead of one after another on the caller's stream (not measured yet; see
+    docs/kernel-notes.md)."""
+
+    chain_launches: bool = True
+    """Let each launch of a call after the first (the next tile height, the merge) start while
+    the one before it drains (programmatic dependent launch), so the launches overlap at their
+    tails; off, each waits for the one before to finish. On by default since the leaf kernel:
+    6.4% less time over the suite, at worst 1.0% more on one configuration
+    (docs/kernel-notes.md, v17 and "Chained launches with the leaf kernel")."""
+
+    _CHECKS: ClassVar[dict[str, Any]] = {
+        "use_kernels": _check_bool,
+        "prefetch_tiles": _check_count,
+        "fixed_grid": _check_bool,
+        "concurrent_groups": _check_bool,
+        "chain_launches": _check_bool,
+    }
+
+
+PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(PlanOptions))
+LAUNCH_OPTIONS = tuple(f.name for f in dataclasses.fields(LaunchOptions))

@@ -1,0 +1,111 @@
+"""Host side of plans whose page ids are read on the device (``plan_unshared``,
+``plan_hinted``).
+
+Such a plan is built with *positions* in the device block table (``row * W + column``)
+standing for page ids; the device stage then replaces each position by the table's entry, in
+stream order, so the host never waits for the table. Rows never share a position, so a plan
+of positions shares nothing (``plan_unshared``). A hinted plan is built from a host copy of
+the table that may be stale (``hint``): its pages are read from the row of each work item's
+first request, and a device check compares, for every other request of the item, its pages
+with those (:func:`hint_checks`).
+
+Worked example (W = 4): request 0 reads row 2, request 1 row 0, both 2 pages ->
+positions [[8, 9], [0, 1]].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .types import PlanArrays
+
+
+def table_positions(row_of: np.ndarray, width: int, cols: int) -> np.ndarray:
+    """int32 [B, cols]: ``row_of[b] * width + column``, the positions in a device table of
+    each request's first ``cols`` pages (int32 range checked by the caller)."""
+    return row_of.astype(np.int32)[:, None] * np.int32(width) + np.arange(cols, dtype=np.int32)
+
+
+def hinted_table(
+    hint: np.ndarray, row_of: np.ndarray, cols: int, private: Any = None
+) -> np.ndarray:
+    """The planning table of a hinted plan (int32 [B, cols]): the hint's page ids where known,
+    a unique id past them elsewhere (unknown pages are private).
+
+    ``hint``: int array [R', W'] (negative: unknown); ``row_of``: the table row of each
+    request; ``private``: bool [B] or None, requests planned as sharing nothing.
+    """
+    b = row_of.shape[0]
+    base = max(int(hint.max(initial=-1)), -1) + 1
+    if base + b * cols > np.iinfo(np.int32).max:
+        raise ValueError(f"hint holds page id {base - 1}, too large to plan with (int32)")
+    table = np.full((b, cols), -1, np.int32)
+    known = row_of < hint.shape[0]
+    if private is not None:
+        mask = np.asarray(private)
+        if mask.dtype != np.bool_ or mask.shape != (b,):
+            raise ValueError(
+                f"private must be a bool array of shape ({b},), got {mask.dtype} "
+                f"{tuple(mask.shape)}"
+            )
+        known &= ~mask
+    hc = min(cols, hint.shape[1])
+    n_known = int(np.argmin(known)) if not known.all() else b
+    if (
+        known[:n_known].all()
+        and not known[n_known:].any()
+        and np.array_equal(row_of[:n_known], np.arange(n_known))
+    ):
+        table[:n_known, :hc] = hint[:n_known, :hc]  # the usual case: rows in order
+    else:
+        table[known, :hc] = hint[row_of[known], :hc]
+    flat = table.reshape(-1)
+    unknown = np.flatnonzero(flat < 0)
+    flat[unknown] = base + unknown
+    return table
+
+
+def item_rows(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The table row of each query slot, and of each item's first slot (its page source)."""
+    req = np.searchsorted(indptr, host.q_tokens.astype(np.int64), side="right") - 1
+    slot_row = row_of[req]
+    return slot_row, slot_row[host.q_indptr[:-1]]
+
+
+def hint_positions(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray, width: int, page_size: int
+) -> np.ndarray:
+    """Positions in the device table (row * width + column) of every item's pages: the
+    columns of the item's KV run in the row of its first request."""
+    kpi = host.kv_page_indptr.astype(np.int64)
+    if (host.kv_start % page_size).any():
+        raise RuntimeError("prefixattn internal error: a work item starts inside a page")
+    _, rep_row = item_rows(host, indptr, row_of)
+    item = np.repeat(np.arange(len(host.kv_len)), np.diff(kpi))
+    col = host.kv_start[item].astype(np.int64) // page_size + (np.arange(kpi[-1]) - kpi[item])
+    return (rep_row[item] * width + col).astype(np.int32)
+
+
+def hint_checks(
+    host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray, width: int, page_size: int
+) -> dict[str, np.ndarray]:
+    """Runs of pages to compare on the device: for every item and every request of it other
+    than the one its pages are read from, ``a`` (first position in that request's row), ``b``
+    (first position in the source row) and ``n`` (page count), int32."""
+    slot_row, rep_row = item_rows(host, indptr, row_of)
+    slots: np.ndarray = np.diff(host.q_indptr).astype(np.int64)
+    item = np.repeat(np.arange(len(host.kv_len)), slots)
+    npages = np.diff(host.kv_page_indptr.astype(np.int64))[item]
+    keep = (slot_row != rep_row[item]) & (npages > 0)
+    col0 = host.kv_start[item].astype(np.int64) // page_size
+    a0 = slot_row * width + col0
+    b0 = rep_row[item] * width + col0
+    return {
+        "a": a0[keep].astype(np.int32),
+        "b": b0[keep].astype(np.int32),
+        "n": npages[keep].astype(np.int32),
+    }

@@ -1,0 +1,1 @@
+"""Device stage: LaunchPlan -> attention output (compiled library, buffers, launches, reference)."""

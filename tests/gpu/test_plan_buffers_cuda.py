@@ -1,0 +1,83 @@
+"""Plan arrays on a CUDA device live in persistent buffers (stable addresses for graphs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefixattn import PrefixAttention, attention_reference, tree_batch
+from prefixattn.plan.layout import COUNTS
+
+pytestmark = pytest.mark.gpu
+
+NAMES = (
+    "kv_page_indptr",
+    "kv_pages",
+    "kv_start",
+    "kv_len",
+    "q_indptr",
+    "q_tokens",
+    "q_limit",
+    "q_out",
+    "tile_id",
+    "merge_tokens",
+    "merge_indptr",
+    "merge_partials",
+    "counts",
+)
+
+
+def test_addresses_stay_while_plans_fit() -> None:
+    pa = PrefixAttention(32, 8, 128, 16, device="cuda")
+    pa.reserve(num_work_items=4096, num_pages=1 << 16, num_slots=1 << 14, num_tokens=1024)
+    gen = pa.buffers_generation
+    addresses = None
+    for tree in ("1,4,64_1024,256,128", "2,8,16_256,256,32", "256_1024"):
+        table, lens = tree_batch(tree, 16)
+        plan = pa.plan(table, lens)
+        # The storage, not data_ptr(): an empty view reports address 0.
+        now = {n: getattr(plan, n).untyped_storage().data_ptr() for n in NAMES}
+        assert addresses is None or now == addresses
+        addresses = now
+        for n in NAMES[:-1]:
+            np.testing.assert_array_equal(getattr(plan, n).cpu().numpy(), getattr(plan.host, n))
+        counts = dict(zip(COUNTS, plan.counts.cpu().tolist()[: len(COUNTS)], strict=True))
+        assert counts["num_work_items"] == plan.num_work_items
+        assert counts["num_tokens"] == plan.num_tokens
+    assert pa.buffers_generation == gen
+
+
+def test_empty_arrays_get_buffers_too() -> None:
+    pa = PrefixAttention(8, 2, 64, 16, device="cuda")
+    table, lens = tree_batch("256_64", 16)  # nothing shared: no merge arrays
+    plan = pa.plan(table, lens)
+    assert plan.num_merge_tokens == 0 and plan.merge_tokens.numel() == 0
+    assert plan.merge_tokens.is_cuda
+
+
+def test_growing_bumps_the_generation() -> None:
+    pa = PrefixAttention(8, 2, 64, 16, device="cuda")
+    table, lens = tree_batch("1,4_32,8", 16)
+    pa.plan(table, lens)
+    gen = pa.buffers_generation
+    table, lens = tree_batch("1,64,512_256,64,40", 16)
+    pa.plan(table, lens)
+    assert pa.buffers_generation > gen
+
+
+def test_cuda_run_matches_plain_attention() -> None:
+    # Whatever executes the plan on CUDA tensors (kernels or the reference fallback).
+    table, lens = tree_batch("1,3,12_96,32,17", 16)
+    pa = PrefixAttention(16, 4, 128, 16, device="cuda")
+    pa.plan(table, lens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (int(table.max()) + 1, 16, 4, 128)
+    k = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(12, 16, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = pa.run(q, k, v)
+    ref = attention_reference(
+        q, k, v, torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda()
+    )
+    assert (out.float() - ref).abs().max().item() < 2e-2

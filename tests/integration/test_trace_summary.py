@@ -1,0 +1,102 @@
+"""integration/trace_summary.py on a hand-made profiler trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from conftest import INTEGRATION, load_script
+
+
+@pytest.fixture(scope="module")
+def ts():
+    return load_script("trace_summary", INTEGRATION / "trace_summary.py")
+
+
+def _ev(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+
+TRACE = [
+    # Two steps of GPU work with a 400 us idle gap between them, overlapping kernels in the
+    # first step, and the host copy + plan of the second step inside the gap.
+    _ev("fwd", "kernel", 0, 300),
+    _ev("fwd2", "kernel", 100, 300),  # overlaps: busy 0-400
+    _ev("copy", "gpu_memcpy", 410, 20),  # 10 us gap: below the threshold
+    _ev("prefixattn.host_tables", "user_annotation", 450, 100),
+    _ev("prefixattn.plan", "user_annotation", 560, 200),
+    _ev("fwd", "kernel", 830, 170),  # gap 430-830 = 400 us
+    _ev("cudaLaunchKernel", "cuda_runtime", 820, 5),
+    {"ph": "i", "name": "marker", "ts": 5},
+]
+
+
+def test_summary_of_a_trace(ts, tmp_path: Path) -> None:
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": TRACE}).encode()))
+    s = ts.summarize(ts.load(path), gap_us=50)
+    assert s["window_ms"] == 1.0
+    assert s["gpu_busy_ms"] == pytest.approx(0.59)  # 400 + 20 + 170 us
+    assert s["gpu_idle_ms"] == pytest.approx(0.41)
+    assert s["gaps"]["count"] == 1 and s["gaps"]["total_ms"] == 0.4
+    [gap] = s["gaps"]["longest"]
+    assert gap["overlaps_ms"] == {"prefixattn.host_tables": 0.1, "prefixattn.plan": 0.2}
+    assert s["ranges"]["prefixattn.plan"] == {"count": 1, "total_ms": 0.2, "mean_ms": 0.2}
+
+
+def test_trace_without_gpu_work(ts) -> None:
+    s = ts.summarize([_ev("prefixattn.plan", "user_annotation", 0, 10)])
+    assert s["window_ms"] == 0.0 and s["ranges"]["prefixattn.plan"]["count"] == 1
+
+
+def test_cli(ts, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRACE))  # a bare event list is accepted too
+    assert ts.main([str(path), "--gap-us", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[str(path)]["gaps"]["count"] == 2  # the 10 us gap counts at 5 us
+
+
+def test_steps(ts) -> None:
+    # Three steps of 1000 us marked by "step"; each has 600 us of GPU work and a 400 us gap
+    # during which the host waits in a sync; a fourth, long interval is not a steady step.
+    ev = []
+    for i, start in enumerate((0, 1000, 2000, 3000)):
+        ev.append(_ev("step", "user_annotation", start, 10))
+        ev.append(_ev("fwd", "kernel", start + 400, 600))
+        if i < 3:
+            ev.append(_ev("cudaStreamSynchronize", "cuda_runtime", start + 50, 300))
+    ev.append(_ev("step", "user_annotation", 9000, 10))
+    s = ts.steps_summary(ev, "step", gap_us=50)
+    assert s["count"] == 3 and s["all_ms"] == [1.0, 1.0, 1.0, 6.0]
+    assert s["step_ms"] == 1.0 and s["gpu_busy_ms"] == 0.6 and s["gpu_idle_ms"] == 0.4
+    host = s["host_during_idle_ms_per_step"]
+    assert host["cuda_runtime/cudaStreamSynchronize"] == 0.3
+    assert host["user_annotation/step"] == 0.01
+    assert s["kernels_ms_per_step"] == {"fwd": 0.6}
+    assert ts.steps_summary(ev, "missing") == {"marker": "missing", "count": 0}
+
+
+def test_attention_share_of_steps(ts, tmp_path: Path) -> None:
+    # Two steps of 1000 us: an attention kernel of each family in one, a GEMM in both.
+    ev = []
+    for start, attn in (
+        (0, "void prefixattn::forward_leaf_kernel<__nv_bfloat16, 128, 3>"),
+        (1000, "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>"),
+    ):
+        ev.append(_ev("cudaGraphLaunch", "cuda_runtime", start, 5))
+        ev.append(_ev(attn, "kernel", start + 10, 300))
+        ev.append(_ev("nvjet_sm90_tst_256x128", "kernel", start + 320, 500))
+    ev.append(_ev("cudaGraphLaunch", "cuda_runtime", 2000, 5))
+    s = ts.steps_summary(ev, "cudaGraphLaunch")
+    assert s["step_ms"] == 1.0
+    assert s["attention_ms_per_step"] == 0.3 and s["rest_ms_per_step"] == 0.7
+    assert not ts.is_attention("nvjet_sm90_tst_256x128")
+    assert ts.is_attention("void prefixattn::forward_kernel<__nv_bfloat16, 256, 4>(...)")
+    path = tmp_path / "run" / "t.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(ev))
+    [summary] = ts.summarize_traces(tmp_path, step_marker="cudaGraphLaunch").values()
+    assert summary["steps"]["attention_ms_per_step"] == 0.3

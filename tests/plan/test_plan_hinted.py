@@ -1,0 +1,260 @@
+"""``PrefixAttention.plan_hinted``: a prefix-aware decode plan whose forest comes from a host
+hint of the block table, page ids from the device table, and a device check that switches to
+a per-request fallback when the hint was wrong. It must equal plain attention for any hint,
+share pages when the hint is right, and name every bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import Batch, batches, embed_rows, random_cache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixattn import PrefixAttention, TableHint, attention_reference
+
+
+def _reference(q, k, v, batch: Batch, layout: str = "NHD") -> torch.Tensor:
+    return attention_reference(
+        q.double(),
+        k.double(),
+        v.double(),
+        torch.from_numpy(batch.block_table),
+        torch.from_numpy(batch.seq_lens),
+        torch.from_numpy(batch.qo_indptr),
+        kv_layout=layout,
+    )
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    if out.numel():
+        scale = max(ref.abs().max().item(), 1e-30)
+        assert (out.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+def _stale(
+    table: np.ndarray, kind: str, gen: np.random.Generator, last_page: np.ndarray
+) -> np.ndarray:
+    """A hint derived from the true table: exact, missing pages, rows reordered, or junk.
+    ``last_page[r]``: the last column row r uses (-1: none)."""
+    hint = table.copy()
+    if kind == "missing_last":  # each row's last used page unknown (gained since the copy)
+        used = last_page >= 0
+        hint[np.flatnonzero(used), last_page[used]] = -1
+    elif kind == "fewer_rows":
+        hint = hint[: max(1, hint.shape[0] // 2)]
+    elif kind == "permuted":
+        hint = hint[gen.permutation(hint.shape[0])]
+    elif kind == "junk":
+        hint = gen.integers(0, 3, hint.shape).astype(np.int32)
+    return hint
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batches(decode_only=True),
+    st.sampled_from([(4, 4), (8, 2), (7, 1)]),
+    st.sampled_from(["exact", "missing_last", "fewer_rows", "permuted", "junk"]),
+    st.integers(0, 2),
+)
+def test_equals_plain_attention_for_any_hint(
+    batch: Batch, heads: tuple[int, int], kind: str, extra_rows: int
+) -> None:
+    hq, hkv = heads
+    d = 64
+    k, v = random_cache(batch.num_pages, batch.page_size, hkv, d, torch.float32)
+    q = torch.randn(int(batch.qo_indptr[-1]), hq, d, generator=torch.Generator().manual_seed(1))
+    gen = np.random.default_rng(0)
+    # The requests' rows sit at shuffled places of a larger table, behind junk rows.
+    big, rows = embed_rows(batch, extra_rows, 1, gen)
+    last_page = np.full(big.shape[0], -1)
+    last_page[rows] = -(-batch.seq_lens // batch.page_size) - 1
+    hint = _stale(big, kind, gen, last_page)
+    pa = PrefixAttention(hq, hkv, d, batch.page_size, dtype=torch.float32)
+    pa.split_target = 0  # split long items: parts read runs that start inside the row
+    plan = pa.plan_hinted(torch.from_numpy(big), hint, batch.seq_lens, batch.qo_indptr, rows=rows)
+    assert plan.fallback is not None and plan.fallback_taken is not None
+    assert plan.max_page_id == -1 and plan.fallback.packing == "per_query"
+    if kind in ("exact", "missing_last"):
+        assert not bool(plan.fallback_taken)
+    out = pa.run(q, k, v, plan=plan)
+    _close(out, _reference(q, k, v, batch))
+    # Exactly one of the two plans keeps its counts.
+    taken = bool(plan.fallback_taken)
+    assert (plan.counts.abs().sum().item() == 0) == taken
+    assert (plan.fallback.counts.abs().sum().item() == 0) == (not taken)
+
+
+def test_exact_hint_shares_pages() -> None:
+    # 6 requests share 3 pages, then 1 private page each (page size 4).
+    shared = [10, 11, 12]
+    table = np.array([[*shared, 20 + i] for i in range(6)], np.int32)
+    lens = np.full(6, 15)
+    pa = PrefixAttention(8, 2, 64, 4, dtype=torch.float32)
+    plan = pa.plan_hinted(torch.from_numpy(table), table, lens)
+    assert not bool(plan.fallback_taken)
+    exact = pa.plan(table, lens)
+    assert plan.num_work_items == exact.num_work_items < 6 * 2
+    assert plan.kv_bytes == exact.kv_bytes
+    assert sorted(plan.kv_pages.tolist()) == sorted(exact.kv_pages.tolist())
+    # One request's shared page changed since the hint: the check catches it.
+    now = table.copy()
+    now[4, 1] = 30
+    plan = pa.plan_hinted(torch.from_numpy(now), table, lens)
+    assert bool(plan.fallback_taken)
+    assert plan.fallback.num_work_items == 6
+
+
+def test_unknown_pages_stay_private() -> None:
+    # The hint lacks the last column; two requests' unknown pages must not be taken as shared.
+    table = np.array([[1, 2, 5], [1, 2, 6]], np.int32)
+    hint = np.array([[1, 2, -1], [1, 2, -1]], np.int32)
+    pa = PrefixAttention(4, 2, 64, 2, dtype=torch.float32)
+    plan = pa.plan_hinted(torch.from_numpy(table), hint, np.array([6, 6]))
+    assert not bool(plan.fallback_taken)
+    pages = plan.kv_pages.tolist()
+    assert pages.count(5) == 1 and pages.count(6) == 1 and pages.count(1) == 1
+
+
+def test_run_uses_the_fallback_when_taken() -> None:
+    batch = Batch(
+        block_table=np.array([[0, 1], [0, 2]], np.int32),
+        seq_lens=np.array([4, 4], np.int32),
+        qo_indptr=np.array([0, 1, 2], np.int32),
+        page_size=2,
+        num_pages=3,
+    )
+    k, v = random_cache(3, 2, 1, 64, torch.float32)
+    q = torch.randn(2, 4, 64)
+    pa = PrefixAttention(4, 1, 64, 2, dtype=torch.float32)
+    # The hint claims both requests share both pages: wrong for the second page.
+    plan = pa.plan_hinted(
+        torch.from_numpy(batch.block_table), np.array([[0, 1], [0, 1]]), batch.seq_lens
+    )
+    assert bool(plan.fallback_taken)
+    _close(pa.run(q, k, v), _reference(q, k, v, batch))
+
+
+def _pa() -> PrefixAttention:
+    return PrefixAttention(4, 2, 64, 4, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("table", "hint", "lens", "kwargs", "error", "match"),
+    [
+        (
+            np.zeros((2, 2), np.int32),
+            np.zeros((2, 2), np.int32),
+            [1, 1],
+            {},
+            TypeError,
+            "torch.Tensor",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int64),
+            np.zeros((2, 2), np.int32),
+            [1, 1],
+            {},
+            TypeError,
+            "int32",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.zeros(2, np.int32),
+            [1, 1],
+            {},
+            ValueError,
+            "hint must be 2-D",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.zeros((2, 2), np.float32),
+            [1, 1],
+            {},
+            TypeError,
+            "hint must be an integer",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.zeros((2, 2)).astype(np.int32),
+            [2, 3],
+            {"qo_indptr": np.array([0, 1, 3])},
+            ValueError,
+            "decode steps",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.zeros((2, 2), np.int32),
+            [9, 1],
+            {},
+            ValueError,
+            "needs 3 pages",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.full((2, 2), 2**31 - 2, np.int64),
+            [1, 1],
+            {},
+            ValueError,
+            "too large",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            np.zeros((2, 2), np.int32),
+            [1, 1],
+            {"rows": np.array([0, 5])},
+            IndexError,
+            "outside block_table",
+        ),
+    ],
+)
+def test_bad_input(table, hint, lens, kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        _pa().plan_hinted(table, hint, np.asarray(lens), **kwargs)
+
+
+def test_table_hint_masks_pages_past_each_length() -> None:
+    hint = TableHint()
+    assert hint.take() is None
+    table = torch.tensor([[3, 4, 9], [5, 9, 9]], dtype=torch.int32)
+    hint.start(table, np.array([5, 2]), 2)  # CPU table: taken at once
+    assert hint.take().tolist() == [[3, 4, 9], [5, -1, -1]]
+    hint.observe(np.array([[1, 2], [3, 4], [5, 6]]), np.array([1]), 4)
+    assert hint.take().tolist() == [[1, -1], [-1, -1], [-1, -1]]
+
+
+def test_table_hint_drops_a_copy_older_than_an_observed_table() -> None:
+    hint = TableHint()
+    hint._pending = (1, 1, np.array([1]), 1)  # a copy in flight (as after start on a GPU)
+
+    class _Landed:
+        def query(self) -> bool:
+            return True
+
+    hint._event = _Landed()  # type: ignore[assignment]
+    hint._pinned = torch.tensor([7], dtype=torch.int32)
+    hint.observe(np.array([[5]]), np.array([1]), 1)  # newer, on the host
+    assert hint.take().tolist() == [[5]]  # the landed copy (7) is older: dropped
+    assert hint._pending is None
+
+
+def test_private_requests_share_nothing() -> None:
+    # Request 2 is padding that reads row 0: with private set it joins no shared node.
+    table = np.array([[1, 2, 3], [1, 2, 4]], np.int32)
+    lens = np.array([6, 6, 1])
+    pa = PrefixAttention(4, 2, 64, 2, dtype=torch.float32)
+    rows = np.array([0, 1, 0])
+    joined = pa.plan_hinted(torch.from_numpy(table), table, lens, rows=rows)
+    alone = pa.plan_hinted(
+        torch.from_numpy(table), table, lens, rows=rows, private=np.array([False, False, True])
+    )
+    assert not bool(joined.fallback_taken) and not bool(alone.fallback_taken)
+
+    # Joined, the padding request shares row 0's first page; private, it is a root of its own.
+    def root_sizes(plan) -> list[int]:
+        return sorted(plan.forest.num_requests(u) for u in plan.forest.roots)
+
+    assert root_sizes(joined) == [3] and root_sizes(alone) == [1, 2]
+    with pytest.raises(ValueError, match="private must be a bool array"):
+        pa.plan_hinted(torch.from_numpy(table), table, lens, rows=rows, private=np.ones(3))
