@@ -1,9 +1,10 @@
-"""``prefixattn`` command line: ``demo``, ``plan-bench`` and ``bench``."""
+"""``prefixattn`` command line: ``demo``, ``plan-bench``, ``bench``, ``info`` and ``build``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 
@@ -94,6 +95,7 @@ def demo(argv: list[str] | None = None) -> int:
     tree = args.tree
     block_table, seq_lens = tree_batch(tree, args.page_size, seed=args.seed)
     pa = PrefixAttention(hq, hkv, args.head_dim, args.page_size, device=device, dtype=dtype)
+    library.load_library()  # compiled on first use: not part of the plan times below
 
     print(
         f"tree {tree}: {tree.batch_size} requests of {tree.seq_len} tokens, "
@@ -207,24 +209,83 @@ def plan_bench(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo, "plan-bench": plan_bench, "bench": _bench}
+    commands = {
+        "demo": demo,
+        "plan-bench": plan_bench,
+        "bench": _bench,
+        "info": info,
+        "build": build,
+    }
     if argv and argv[0] in ("-h", "--help"):
         print(
-            "usage: prefixattn {demo,plan-bench,bench} [options]\n"
+            "usage: prefixattn {demo,plan-bench,bench,info,build} [options]\n"
             "  demo        plan and run a shared-prefix batch (default when no command)\n"
             "  plan-bench  time plan construction on the host\n"
-            "  bench       CUDA kernel benchmark against the HBM floor (GPU)"
+            "  bench       CUDA kernel benchmark against the HBM floor (GPU)\n"
+            "  info        versions, GPU, compiled library and engine plugins\n"
+            "  build       compile the library ahead of time into the cache"
         )
         return 0
     if not argv or argv[0].startswith("-"):
         return demo(argv)
     if argv[0] not in commands:
         print(
-            f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench or bench",
+            f"prefixattn: unknown command {argv[0]!r}; try demo, plan-bench, bench, info or build",
             file=sys.stderr,
         )
         return 2
     return commands[argv[0]](argv[1:])
+
+
+def info(argv: list[str]) -> int:
+    """``prefixattn info``: what this environment can run."""
+    from .runtime import info as runtime_info
+
+    parser = argparse.ArgumentParser(prog="prefixattn info", description=info.__doc__)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = runtime_info.collect()
+    print(json.dumps(report, indent=1) if args.json else runtime_info.render(report))
+    return 0
+
+
+def build(argv: list[str]) -> int:
+    """``prefixattn build``: compile the library into the cache ahead of time."""
+    from .runtime import compile as runtime_compile
+
+    parser = argparse.ArgumentParser(
+        prog="prefixattn build",
+        description="Compile the native planner and the CUDA kernels for the installed torch "
+        "into the cache that later processes load (default: for this machine's GPU, if any).",
+    )
+    parser.add_argument(
+        "--cuda-archs",
+        default=None,
+        help="comma-separated CUDA architectures to compile the kernels for, without a GPU "
+        f"(supported: {', '.join(runtime_compile.SUPPORTED_ARCHS)}); 'none': planner only",
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    if args.cuda_archs is None:
+        spec = runtime_compile.default_spec()
+    elif args.cuda_archs.strip().lower() == "none":
+        spec = runtime_compile.BuildSpec()
+    else:
+        archs = tuple(a.strip() for a in args.cuda_archs.split(",") if a.strip())
+        bad = [a for a in archs if a not in runtime_compile.SUPPORTED_ARCHS]
+        if bad:
+            parser.error(
+                f"--cuda-archs {','.join(bad)}: not supported; the kernels are written for "
+                + ", ".join(runtime_compile.SUPPORTED_ARCHS)
+            )
+        spec = runtime_compile.BuildSpec(archs)
+    try:
+        path = runtime_compile.ensure_built(spec, verbose=args.verbose)
+    except runtime_compile.BuildError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def _bench(argv: list[str]) -> int:
