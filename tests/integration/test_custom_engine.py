@@ -1,5 +1,5 @@
-"""The custom-engine example: continuous batching with prefix caching through the public API
-gives the same greedy tokens as dense attention."""
+"""The custom-engine example (examples/custom_engine/engine.py): continuous batching with
+prefix caching through the public API gives the same greedy tokens as dense attention."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import INTEGRATION, load_script
+
+from tools.matrix import run_matrix
 
 
 @pytest.fixture(scope="module")
 def engine_module():
-    return load_script("custom_engine", INTEGRATION / "custom_engine" / "engine.py")
+    return run_matrix.custom_engine()  # the example is a script, loaded from its file
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -1,4 +1,4 @@
-"""The integration matrix runner (integration/matrix/run_matrix.py) without GPUs or frameworks:
+"""The integration matrix runner (tools/matrix/run_matrix.py) without GPUs or frameworks:
 selections, dry run, skip reasons, budget, reports, and the custom engine's cell on CPU."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ import json
 import math
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+from tools.matrix import run_matrix
 
 
 @pytest.fixture(scope="module")
 def m():
-    return load_script("run_matrix", INTEGRATION / "matrix" / "run_matrix.py")
+    return run_matrix
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""integration/sglang/engine_check.py's parent without SGLang: ``--decode-only`` starts the
+"""tools/sglang/engine_check.py's parent without SGLang: ``--decode-only`` starts the
 checked engine with the reference backend for prefill and prefixattn for decode, and judges
 that engine's decode steps."""
 
@@ -8,12 +8,13 @@ import json
 import sys
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+from tools.sglang import engine_check
 
 
 @pytest.fixture(scope="module")
 def ec():
-    return load_script("sglang_engine_check", INTEGRATION / "sglang" / "engine_check.py")
+    return engine_check
 
 
 def test_backend_args(ec) -> None:

@@ -1,14 +1,15 @@
-"""integration/timing.py: the decode step from paired timings."""
+"""tools/timing.py: the decode step from paired timings."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+import tools.timing
 
 
 @pytest.fixture(scope="module")
 def timing():
-    return load_script("timing", INTEGRATION / "timing.py")
+    return tools.timing
 
 
 def test_paired_median_and_spread(timing) -> None:

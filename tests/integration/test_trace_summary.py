@@ -1,4 +1,4 @@
-"""integration/trace_summary.py on a hand-made profiler trace."""
+"""tools/trace_summary.py on a hand-made profiler trace."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+from tools import trace_summary
 
 
 @pytest.fixture(scope="module")
 def ts():
-    return load_script("trace_summary", INTEGRATION / "trace_summary.py")
+    return trace_summary
 
 
 def _ev(name: str, cat: str, ts: float, dur: float) -> dict:

@@ -1,4 +1,4 @@
-"""integration/vllm/bench_decode.py's parent without vLLM: an engine that overruns its time
+"""tools/vllm/bench_decode.py's parent without vLLM: an engine that overruns its time
 after its last measurement still counts as complete; one cut off earlier does not."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+from tools.vllm import bench_decode
 
 
 @pytest.fixture(scope="module")
 def bd():
-    return load_script("vllm_bench_decode", INTEGRATION / "vllm" / "bench_decode.py")
+    return bench_decode
 
 
 def _run(bd, monkeypatch, tmp_path, outcomes):

@@ -1,4 +1,4 @@
-"""integration/vllm/check_engine.py's parent without vLLM: the speculative-decoding mode's
+"""tools/vllm/check_engine.py's parent without vLLM: the speculative-decoding mode's
 prompts give an n-gram proposer a match, its counters are read from vLLM's metrics, and the
 mode fails when CUSTOM's engine drafted nothing (so no query longer than one token ran)."""
 
@@ -9,12 +9,13 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from conftest import INTEGRATION, load_script
+
+from tools.vllm import check_engine
 
 
 @pytest.fixture(scope="module")
 def ce():
-    return load_script("vllm_check_engine", INTEGRATION / "vllm" / "check_engine.py")
+    return check_engine
 
 
 def test_echo_prompts_end_with_an_earlier_ngram(ce) -> None:

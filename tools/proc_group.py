@@ -2,7 +2,6 @@
 
 Engines start helper processes (vLLM's engine core, SGLang's scheduler and detokenizer); killing
 the whole group when the command returns or runs out of time frees the GPU for the next run.
-Scripts in the folders below import it after putting this folder on ``sys.path``.
 """
 
 from __future__ import annotations

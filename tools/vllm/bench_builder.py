@@ -5,7 +5,7 @@ Builds vLLM's real ``CommonAttentionMetadata`` for decode batches and times
 ``seq_lens`` included when ``--device cuda``). Workloads: B requests sharing a P-token prefix
 (one level), the same prefix split into 4 levels, and nothing shared.
 
-    python integration/vllm/bench_builder.py --batch 256 --prefix 2048 --tail 128 [--device cuda]
+    python -m tools.vllm.bench_builder --batch 256 --prefix 2048 --tail 128 [--device cuda]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test: `vllm serve` with --attention-backend CUSTOM (vLLM's default compilation and
 # CUDA graphs) answers one completion request on localhost.
-# Usage: integration/vllm/serve_smoke.sh MODEL_DIR [PORT [EXTRA VLLM SERVE ARGS...]]
+# Usage: tools/vllm/serve_smoke.sh MODEL_DIR [PORT [EXTRA VLLM SERVE ARGS...]]
 #   MODEL_DIR: a local Llama folder (with only config.json, pass --load-format dummy).
 # Env: OUT (log folder, default /tmp), SERVE_WAIT (seconds to wait for /health, default 240),
 # VLLM_CLI (the vllm command, default `vllm`; e.g. "python3 -m vllm.entrypoints.cli.main").

@@ -1,5 +1,7 @@
 """End-to-end decode step time in SGLang: prefixattn against flashinfer and triton, one run.
 
+For SGLang 0.5.17-0.5.23 (the GPU runs use 0.5.23); the result records the version it ran.
+
 An 8B-Llama-shaped model (32 layers, hidden 4096, 32/8 heads, head_dim 128, intermediate
 14336, vocab 128256) with dummy weights (``load_format="dummy"``; only config.json is written,
 here). Every backend runs in its own subprocess with the same engine settings: decode CUDA
@@ -19,16 +21,16 @@ Decode step time: the shared prefixes, then the prompts, are put in the radix ca
 (generations of one token), so every timed generation prefills one token per request; then generations of ``N`` and
 ``N + S`` tokens are timed alternately ``--repeat`` times, and the step time is the median
 over pairs of ``(T(N + S) - T(N)) / S`` (min and max in ``step_spread_ms``;
-``integration/timing.py``): the prefill and the fixed per-request costs cancel.
+``tools/timing.py``): the prefill and the fixed per-request costs cancel.
 SGLang's own per-step log ("Decode batch, #running-req: B, ... cuda graph: True") is kept
 and summarised, so the JSON shows that every timed step ran all B requests in a graph.
 
-    python integration/sglang/bench_decode.py --out DIR [--batch 256] [--budget 520]
+    python -m tools.sglang.bench_decode --out DIR [--batch 256] [--budget 520]
 
 ``--profile DIR`` also records one more generation per workload with SGLang's torch profiler
 (outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
 adapter's host ranges, and per decode step between graph launches: the attention kernels'
-time and the rest of the step; ``integration/trace_summary.py``) to the results.
+time and the rest of the step; ``tools/trace_summary.py``) to the results.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proc_group import run_in_group
-from timing import paired_step_ms
-from trace_summary import summarize_traces
+from tools import RESULTS, installed_version
+from tools.proc_group import run_in_group
+from tools.timing import paired_step_ms
+from tools.trace_summary import summarize_traces
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -187,9 +189,9 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
     result = out / f"bench_decode_{backend}.json"
     log = out / f"bench_decode_{backend}.log"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--one", backend, "--model", model, "--out", str(out),
-           "--batch", str(args.batch), "--first", str(args.first), "--steps", str(args.steps),
-           "--repeat", str(args.repeat), "--workloads", *args.workloads,
+    cmd = [sys.executable, "-m", "tools.sglang.bench_decode", "--one", backend, "--model", model,
+           "--out", str(out), "--batch", str(args.batch), "--first", str(args.first),
+           "--steps", str(args.steps), "--repeat", str(args.repeat), "--workloads", *args.workloads,
            *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log)
@@ -207,7 +209,8 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--out", type=Path, default=RESULTS / "sglang-bench",
+                    help=f"folder for results and logs (default {RESULTS}/sglang-bench)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     ap.add_argument("--backends", nargs="+", default=BACKENDS)
@@ -217,7 +220,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=520.0, help="seconds for all backends")
     ap.add_argument("--profile", metavar="DIR",
                     help="after each timing, profile one more generation of 12 tokens into "
-                         "DIR/BACKEND and summarize the traces (integration/trace_summary.py)")  # fmt: skip
+                         "DIR/BACKEND and summarize the traces (tools/trace_summary.py)")  # fmt: skip
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -237,8 +240,9 @@ def main() -> int:
     os.makedirs(model)
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(LLAMA_8B, f)
-    results: dict[str, Any] = {"batch": args.batch, "tail": TAIL, "first": args.first,
-                               "steps": args.steps, "repeat": args.repeat, "backends": {}}  # fmt: skip
+    results: dict[str, Any] = {"engine_version": installed_version("sglang"), "batch": args.batch,
+                               "tail": TAIL, "first": args.first, "steps": args.steps,
+                               "repeat": args.repeat, "backends": {}}  # fmt: skip
     for i, backend in enumerate(args.backends):
         left = len(args.backends) - i - 1
         timeout = (deadline - time.monotonic()) / (left + 1) * (1.25 if left else 1.0)

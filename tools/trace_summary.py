@@ -21,7 +21,7 @@ the batch's block table to the host, which waits for the work queued before it) 
   events that overlap the GPU's idle gaps inside them (per step, by name,
   longest first): what the host was doing while the GPU waited.
 
-    python integration/trace_summary.py TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
+    python -m tools.trace_summary TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
 """
 
 from __future__ import annotations
@@ -159,10 +159,10 @@ def steps_summary(
         busy.append(step_busy)
         idle.append((b - a) - step_busy)
         edges = [a, *[x for iv in inside for x in iv], b]
-        for s, e in zip(edges[::2], edges[1::2], strict=True):
-            if e - s > gap_us:
+        for lo, hi in zip(edges[::2], edges[1::2], strict=True):
+            if hi - lo > gap_us:
                 for key, iv in host.items():
-                    us = _overlap(iv, s, e)
+                    us = _overlap(iv, lo, hi)
                     if us > 0:
                         during_idle[key] = during_idle.get(key, 0.0) + us
     n = len(steady)

@@ -5,7 +5,7 @@ writes; ``--save-model DIR`` writes a fresh tiny random Llama there) and SGLang'
 settings (CUDA graphs on) plus ``--extra`` flags, waits for /health (bounded), sends one
 /generate request with token ids, prints the answer, then stops the server's process group.
 
-    python integration/sglang/server_smoke.py --save-model /tmp/tiny --timeout 240 \
+    python -m tools.sglang.server_smoke --save-model /tmp/tiny --timeout 240 \
         [--extra --disable-cuda-graph]
 """
 
@@ -33,8 +33,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = args.model
     if args.save_model:
-        sys.path.insert(0, os.path.dirname(__file__))
-        from engine_check import save_model
+        from tools.sglang.engine_check import save_model
 
         save_model(args.save_model)
         model = args.save_model

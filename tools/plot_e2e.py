@@ -1,10 +1,10 @@
 """Plot the end-to-end decode step times of both engines' benchmarks (one run each).
 
-Reads the JSON of ``integration/vllm/bench_decode.py`` and ``integration/sglang/bench_decode.py``
-and draws, per engine, the decode step time of every backend for every workload.
+Reads the JSON of ``tools/vllm/bench_decode.py`` and ``tools/sglang/bench_decode.py``
+and draws, per engine, the decode step time of every backend for every workload. Each panel
+is titled with the engine version the result recorded (``engine_version``).
 
-    python integration/plot_e2e.py docs/results/e2e/vllm_bench_decode_run3.json \\
-        docs/results/e2e/sglang_bench_decode.json --out docs/results/e2e/decode_step.png
+    python -m tools.plot_e2e VLLM_RESULT.json SGLANG_DIR/bench_decode.json --out decode_step.png
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from tools import RESULTS
 
 # Step times: engine -> workload -> backend -> ms.
 Table = dict[str, dict[str, dict[str, float]]]
@@ -39,12 +41,20 @@ def sglang_steps(result: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def engine_label(name: str, result: dict) -> str:
+    """``name`` and the version the benchmark recorded, e.g. ``vLLM 0.33.0``."""
+    version = result.get("engine_version")
+    return f"{name} {version}" if version else name
+
+
 def decode_table(vllm_json: Path | None, sglang_json: Path | None) -> Table:
     table: Table = {}
     if vllm_json is not None:
-        table["vLLM 0.26.0"] = vllm_steps(json.loads(vllm_json.read_text()))
+        result = json.loads(vllm_json.read_text())
+        table[engine_label("vLLM", result)] = vllm_steps(result)
     if sglang_json is not None:
-        table["SGLang 0.5.17"] = sglang_steps(json.loads(sglang_json.read_text()))
+        result = json.loads(sglang_json.read_text())
+        table[engine_label("SGLang", result)] = sglang_steps(result)
     return table
 
 
@@ -80,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("vllm_json", type=Path, nargs="?")
     ap.add_argument("sglang_json", type=Path, nargs="?")
-    ap.add_argument("--out", type=Path, default=Path("decode_step.png"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_step.png",
+                    help=f"PNG file (default {RESULTS}/decode_step.png)")  # fmt: skip
     ap.add_argument(
         "--title",
         default="Decode step time, 8B-Llama shape, 256 requests, H200 (lower is better)",
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     table = decode_table(args.vllm_json, args.sglang_json)
     if not table:
         ap.error("give at least one result file")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(table, args.out, args.title)
     print(json.dumps(table, indent=1))
     return 0

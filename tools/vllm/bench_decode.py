@@ -1,4 +1,6 @@
-"""End-to-end decode step time in vLLM 0.26: CUSTOM (prefixattn) against FLASHINFER and FLASH_ATTN.
+"""End-to-end decode step time in vLLM: CUSTOM (prefixattn) against FLASHINFER and FLASH_ATTN.
+
+For vLLM 0.26.0-0.33.0 (the GPU runs use 0.33.0); the result records the version it ran.
 
 An 8B-Llama-shaped model (32 layers, hidden 4096, 32/8 heads, head_dim 128, intermediate 14336,
 vocab 128256) with dummy weights: only a config.json, written with transformers' LlamaConfig.
@@ -16,7 +18,7 @@ workload: one generation with ``max_tokens=1`` stores every prompt in the prefix
 greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), timed alternately
 ``--reps`` (5) times, prefill only the last tokens of each prompt, the same in both; step =
 the median over pairs of (t(N2) - t(N1)) / (N2 - N1), with the pairs' min and max in
-``step_spread_ms`` (``integration/timing.py``). All B requests decode together in every step.
+``step_spread_ms`` (``tools/timing.py``). All B requests decode together in every step.
 
 Each backend runs in its own subprocess (vLLM engines do not reliably free GPU memory inside
 one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PIECEWISE``);
@@ -24,11 +26,11 @@ one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PI
 1,2,4,8,16,32,64,128,256; ``default`` keeps vLLM's list). The backends share ``--budget``
 seconds; a worker writes its results after every workload, so a timeout keeps what finished.
 
-    python integration/vllm/bench_decode.py --out bench.json [--batches 64 256] [--prefix 4096]
+    python -m tools.vllm.bench_decode --out bench.json [--batches 64 256] [--prefix 4096]
 
 ``--profile DIR`` also records one more generation per workload with vLLM's torch profiler
 (outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
-adapter's host ranges; ``integration/trace_summary.py``) to the results.
+adapter's host ranges; ``tools/trace_summary.py``) to the results.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proc_group import run_in_group
-from timing import paired_step_ms
-from trace_summary import summarize_traces
+from tools import RESULTS, installed_version
+from tools.proc_group import run_in_group
+from tools.timing import paired_step_ms
+from tools.trace_summary import summarize_traces
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
 PROFILE_TOKENS = 12
@@ -173,7 +175,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="vllm_bench_decode.json")
+    ap.add_argument("--out", default=str(RESULTS / "vllm_bench_decode.json"),
+                    help=f"result JSON (default {RESULTS}/vllm_bench_decode.json)")  # fmt: skip
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS))
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--batches", nargs="+", type=int, default=[256])
@@ -190,7 +193,7 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR",
                     help="after each timing, profile one more generation of "
                          f"{PROFILE_TOKENS} tokens into DIR/BACKEND and summarize the traces "
-                         "(integration/trace_summary.py)")  # fmt: skip
+                         "(tools/trace_summary.py)")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -202,10 +205,12 @@ def main() -> int:
     # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model = Path(tempfile.mkdtemp()) / "llama8b-shape"
     write_model(model, args.max_model_len)
     results: dict[str, Any] = {
         "model": "Llama-3-8B shape, dummy weights, bf16",
+        "engine_version": installed_version("vllm"),
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "model", "result")},
         "step_ms": {},
         "engine": {},
@@ -221,8 +226,8 @@ def main() -> int:
     for i, backend in enumerate(args.backends):
         timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
         result = Path(tempfile.mkdtemp()) / f"{backend}.json"
-        cmd = [sys.executable, __file__, "--worker", backend, "--model", str(model),
-               "--result", str(result), *forwarded]  # fmt: skip
+        cmd = [sys.executable, "-m", "tools.vllm.bench_decode", "--worker", backend,
+               "--model", str(model), "--result", str(result), *forwarded]  # fmt: skip
         t0 = time.monotonic()
         code = run_in_group(cmd, timeout)
         data = json.loads(result.read_text()) if result.exists() else {}

@@ -5,7 +5,7 @@ Runs on CPU or GPU with SGLang's real ReqToTokenPool: batch B decode requests wh
 layout the radix cache produces. Times ``PrefixAttnBackend.init_forward_metadata`` (what
 SGLang calls once per step) and, separately, the core's ``plan`` on host arrays.
 
-    python integration/sglang/bench_plan_cost.py --device cpu --batch 256 --prefix 4096 --tail 64
+    python -m tools.sglang.bench_plan_cost --device cpu --batch 256 --prefix 4096 --tail 64
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def main() -> None:
             t2 = time.perf_counter()
             times.append(t1 - t0)
             plan_only.append(t2 - t1)
+        assert backend.forward_metadata is not None
         plan = backend.forward_metadata.plan
         print(
             f"B={b} prefix={prefix} tail={t} page_size=1 device={dev}: "

@@ -12,6 +12,8 @@ It is the runnable documentation of ``PrefixAttention``:
 
 ``reference_generate`` decodes the same prompts with dense attention and no cache, so the
 engine's output can be checked token by token.
+
+    python examples/custom_engine/engine.py [--device cpu] [--requests 12] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import argparse
 import dataclasses
 import math
 import time
+from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -38,6 +42,28 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
 
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer_id, q, k, v) -> o``: attention of one layer's tokens."""
+
+Init = Callable[..., torch.nn.Parameter]
+"""``init(*shape)``: a new random weight of that shape."""
+
+
+class Layer(torch.nn.Module):
+    """One decoder layer's weights: attention projections and the SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, w: Init) -> None:
+        super().__init__()
+        h, d = cfg.hidden, cfg.head_dim
+        self.wq = w(cfg.num_qo_heads * d, h)
+        self.wk = w(cfg.num_kv_heads * d, h)
+        self.wv = w(cfg.num_kv_heads * d, h)
+        self.wo = w(h, cfg.num_qo_heads * d)
+        self.w1 = w(cfg.intermediate, h)
+        self.w3 = w(cfg.intermediate, h)
+        self.w2 = w(h, cfg.intermediate)
+
+
 class TinyLlama(torch.nn.Module):
     """Random-weight (std 0.02) Llama-style decoder."""
 
@@ -49,20 +75,9 @@ class TinyLlama(torch.nn.Module):
         def w(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.randn(*shape, generator=gen) * 0.02)
 
-        h, d = cfg.hidden, cfg.head_dim
-        self.embed = w(cfg.vocab_size, h)
-        self.layers = torch.nn.ModuleList()
-        for _ in range(cfg.num_layers):
-            layer = torch.nn.Module()
-            layer.wq = w(cfg.num_qo_heads * d, h)
-            layer.wk = w(cfg.num_kv_heads * d, h)
-            layer.wv = w(cfg.num_kv_heads * d, h)
-            layer.wo = w(h, cfg.num_qo_heads * d)
-            layer.w1 = w(cfg.intermediate, h)
-            layer.w3 = w(cfg.intermediate, h)
-            layer.w2 = w(h, cfg.intermediate)
-            self.layers.append(layer)
-        self.lm_head = w(cfg.vocab_size, h)
+        self.embed = w(cfg.vocab_size, cfg.hidden)
+        self.layers = torch.nn.ModuleList(Layer(cfg, w) for _ in range(cfg.num_layers))
+        self.lm_head = w(cfg.vocab_size, cfg.hidden)
 
     @staticmethod
     def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +91,13 @@ class TinyLlama(torch.nn.Module):
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """Logits of ``tokens``; ``attend(layer_id, q, k, v) -> o`` supplies attention."""
         cfg = self.cfg
         x = self.embed[tokens]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("list[Layer]", self.layers)):
             hx = self.rms_norm(x)
             q = (hx @ layer.wq.T).view(-1, cfg.num_qo_heads, cfg.head_dim)
             k = (hx @ layer.wk.T).view(-1, cfg.num_kv_heads, cfg.head_dim)

@@ -1,5 +1,6 @@
-"""Cross-framework integration matrix: one command that runs a set of cells and writes
-``docs/results/matrix.md`` and ``docs/results/matrix.json``.
+"""Cross-framework integration matrix: one command that runs a set of cells and writes a
+Markdown table and a JSON report (default ``prefixattn-results/matrix.{md,json}`` in the
+current directory).
 
 A cell is one value of each axis (``AXES``): engine (vLLM, SGLang, the custom engine example),
 head config (query/KV heads) and head_dim, workload, CUDA graphs on/off, tensor parallel size,
@@ -16,11 +17,11 @@ weights (std 0.02) whose heads, KV heads and head_dim come from the cell.
 Per cell:
 
 - correctness: greedy tokens and top-5 logprobs of every request compared with the rule of
-  ``integration/vllm/check_engine.py`` (imported: ``compare`` and ``TOL``); for vLLM with
+  ``tools/vllm/check_engine.py`` (imported: ``compare`` and ``TOL``); for vLLM with
   graphs on, CUSTOM must also have been captured in full decode graphs (``full_decode_graphs``
   of the same script); for SGLang, SGLang's per-step report must show every decode step as a
   graph with graphs on and none with graphs off (``decode_steps`` of
-  ``integration/sglang/engine_check.py``);
+  ``tools/sglang/engine_check.py``);
 - decode step time of both backends, ``(t(N2) - t(N1)) / (N2 - N1)`` over generations of the
   cell's prompts (vLLM, SGLang; the prompts are in the prefix cache by then) or the median
   decode-only step (custom engine).
@@ -29,7 +30,7 @@ A cell that cannot run says why (``status: skip``): the engine does not support 
 config or mode, no GPU, fewer GPUs than its tensor parallel size, the engine's package does not
 import, or ``--budget`` is spent.
 
-    python integration/matrix/run_matrix.py --select smoke [--engines vllm custom]
+    python -m tools.matrix.run_matrix --select smoke [--engines vllm custom]
         [--cells SUBSTR ...] [--budget S] [--dry-run] [--out-md PATH] [--out-json PATH]
 """
 
@@ -52,14 +53,13 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proc_group import run_in_group
-from prompt_trees import two_level_tree
+from tools import RESULTS
+from tools.proc_group import run_in_group
+from tools.prompt_trees import two_level_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_DIR = ROOT / "integration" / "vllm"
-SGLANG_DIR = ROOT / "integration" / "sglang"
-CUSTOM_DIR = ROOT / "integration" / "custom_engine"
+# The example is a standalone script (examples/ is not a package): loaded from its file.
+CUSTOM_ENGINE = ROOT / "examples" / "custom_engine" / "engine.py"
 
 AXES: dict[str, tuple[Any, ...]] = {
     "engine": ("vllm", "sglang", "custom"),
@@ -194,7 +194,7 @@ def select(
 
 def supported_head_dims() -> tuple[int, ...]:
     try:
-        from prefixattn.tiles import SUPPORTED_HEAD_DIMS
+        from prefixattn.plan.tiles import SUPPORTED_HEAD_DIMS
 
         return tuple(SUPPORTED_HEAD_DIMS)
     except Exception:  # the package is not importable here: the dims the kernels build for
@@ -355,29 +355,29 @@ def our_backend(cell: Cell) -> str:
 # --- engine runs (each in its own subprocess) -----------------------------------------------
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """Import ``path`` as module ``name`` (its folder goes on sys.path, as for a script)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+# Imported when first needed, so that a dry run needs neither; tests replace these functions.
 
 
 def check_engine() -> ModuleType:
-    return _load("check_engine", VLLM_DIR / "check_engine.py")
+    return importlib.import_module("tools.vllm.check_engine")
 
 
 def sglang_check() -> ModuleType:
-    return _load("engine_check", SGLANG_DIR / "engine_check.py")
+    return importlib.import_module("tools.sglang.engine_check")
 
 
 def custom_engine() -> ModuleType:
-    return _load("engine", CUSTOM_DIR / "engine.py")
+    """The custom engine example (``examples/custom_engine/engine.py``), imported once as
+    module ``custom_engine``."""
+    name = "custom_engine"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, CUSTOM_ENGINE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def model_config(cell: Cell) -> dict[str, Any]:
@@ -636,11 +636,13 @@ def run_subprocess(cell: Cell, backend: str, work: Path, models: Path, timeout: 
     result = work / f"{cell.id}_{backend}.json"
     log = work / f"{cell.id}_{backend}.log"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--engine-run", json.dumps(dataclasses.asdict(cell)),
-           backend, "--result", str(result), "--models", str(models)]  # fmt: skip
-    # Engine worker processes import the check scripts' functions by module name.
+    cmd = [sys.executable, "-m", "tools.matrix.run_matrix", "--engine-run",
+           json.dumps(dataclasses.asdict(cell)), backend, "--result", str(result),
+           "--models", str(models)]  # fmt: skip
+    # The engines' worker processes unpickle the check scripts' functions by module name
+    # (``tools.vllm.check_engine.worker_info``): they need the repository root on their path.
     env = dict(os.environ)
-    paths = [str(VLLM_DIR), str(SGLANG_DIR), env.get("PYTHONPATH", "")]
+    paths = [str(ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log, env)
@@ -747,7 +749,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         )
         + ". Correctness: greedy tokens and logprobs against the "
         f"engine's default backend (tolerance {meta.get('tol', '?')} nats, rule of "
-        f"`integration/vllm/check_engine.py`); step time: decode step, ms.",
+        f"`tools/vllm/check_engine.py`); step time: decode step, ms.",
         "",
         "| cell | engine | heads | head_dim | workload | graphs | tp | mode | status "
         "| max logprob diff | tokens | step ms prefixattn | step ms default | speedup | why |",
@@ -776,7 +778,7 @@ def write_reports(results: list[dict], meta: dict, md: Path, js: Path) -> None:
     js.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(markdown(results, meta))
     js.write_text(json.dumps({**meta, "summary": summary(results), "cells": results}, indent=1))
-    out = os.environ.get("OUT")  # scripts/gpu_part.sh's folder: keep a copy with the logs
+    out = os.environ.get("OUT")  # a GPU job's log folder: keep a copy with the logs
     if out and Path(out).is_dir() and Path(out).resolve() != md.parent.resolve():
         (Path(out) / md.name).write_text(md.read_text())
         (Path(out) / js.name).write_text(js.read_text())
@@ -860,8 +862,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=520.0, help="seconds for all cells")
     ap.add_argument("--cell-timeout", type=float, help="seconds per cell (default 2x estimate)")
     ap.add_argument("--sglang-reference", choices=["triton", "flashinfer"], default="triton")
-    ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "results" / "matrix.md")
-    ap.add_argument("--out-json", type=Path, default=ROOT / "docs" / "results" / "matrix.json")
+    ap.add_argument("--out-md", type=Path, default=RESULTS / "matrix.md",
+                    help=f"Markdown report (default {RESULTS}/matrix.md)")  # fmt: skip
+    ap.add_argument("--out-json", type=Path, default=RESULTS / "matrix.json",
+                    help=f"JSON report (default {RESULTS}/matrix.json)")  # fmt: skip
     ap.add_argument("--work", help="folder for logs and models (default $OUT or a temp dir)")
     ap.add_argument("--dry-run", action="store_true", help="print the cells and what each runs")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -903,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{cell.id}\n    {'skip: ' + why if why else describe(cell)}")
         print(f"{len(cells)} cells, ~{sum(c.estimate_s() for c in cells)} s if all run")
         return 0
-    # On SIGTERM (gpu_part.sh's timeout) unwind, so the engines' process groups get killed.
+    # On SIGTERM (e.g. from `timeout`) unwind, so the engines' process groups get killed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run_matrix(cells, args)
     s = summary(results)

@@ -26,7 +26,7 @@ flip the continuations differ), and the chosen tokens' logprobs agree within ``T
 logprob differences between two correct bf16 attention kernels (different summation orders)
 stay well below that, while a wrong mask, scale or page stays far above it.
 
-    python integration/vllm/check_engine.py [--out DIR] [--modes cudagraphs eager spec] [--budget S]
+    python -m tools.vllm.check_engine [--out DIR] [--modes cudagraphs eager spec] [--budget S]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proc_group import run_in_group
+from tools import RESULTS
+from tools.proc_group import run_in_group
 
 TOL = 0.05
 BACKENDS = ("FLASH_ATTN", "CUSTOM")
@@ -208,7 +208,18 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
     """``generate`` in a subprocess; returns its result or an ``error``."""
     result = out / f"vllm_check_{backend}_{mode}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--one", backend, mode, "--model", model, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.vllm.check_engine",
+        "--one",
+        backend,
+        mode,
+        "--model",
+        model,
+        "--out",
+        str(out),
+    ]
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout)
     wall = round(time.monotonic() - t0, 1)
@@ -222,7 +233,8 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--out", type=Path, default=RESULTS / "vllm-check",
+                    help=f"folder for the results (default {RESULTS}/vllm-check)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", choices=["cudagraphs", "eager", "spec"],
                     default=["cudagraphs", "eager"])  # fmt: skip
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all engine runs")

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # SGLang on the GPU machine: correctness checks and the decode benchmark for prefixattn.
 #
-#   integration/sglang/run_gpu.sh check   engine_check.py (CUDA graphs on and off, against
-#                                         SGLang's triton backend), then server_smoke.py
-#   integration/sglang/run_gpu.sh smoke   server_smoke.py alone
-#   integration/sglang/run_gpu.sh decode-only
-#                                         engine_check.py --decode-only (triton prefill beside
-#                                         prefixattn decode), CUDA graphs on and off
-#   integration/sglang/run_gpu.sh bench   bench_decode.py (prefixattn, flashinfer, triton)
-#   integration/sglang/run_gpu.sh all     check, then bench (two parts' time)
+#   tools/sglang/run_gpu.sh build   install this tree (`pip install --no-deps -e .`, pure
+#                                   Python) and compile its library for the installed torch
+#                                   (`prefixattn build`)
+#   tools/sglang/run_gpu.sh check   engine_check (CUDA graphs on and off, against SGLang's
+#                                   triton backend), then server_smoke
+#   tools/sglang/run_gpu.sh smoke   server_smoke alone
+#   tools/sglang/run_gpu.sh decode-only
+#                                   engine_check --decode-only (triton prefill beside
+#                                   prefixattn decode), CUDA graphs on and off
+#   tools/sglang/run_gpu.sh bench   bench_decode (prefixattn, flashinfer, triton)
+#   tools/sglang/run_gpu.sh all     check, then bench (two parts' time)
 #
-# Expects SGLang importable (PYTHONPATH=/root/site-sglang) and prefixattn installed. Each part
-# (counted from the script's start) stays within PART_BUDGET seconds (default 530); every
-# step runs under `timeout` and logs to $OUT (default /tmp/prefixattn-sglang). The last lines
-# printed are a short summary (also in $OUT/summary.txt).
+# For SGLang 0.5.17-0.5.23. The GPU runs use SGLang 0.5.23, staged from .stage/sgl23 into
+# /root/site-sgl23, with the torch 2.14.0 of the vLLM stage (/root/site33):
+#   export PYTHONPATH=/root/site-sgl23:/root/site33
+#   bash tools/sglang/run_gpu.sh build          # once per machine, with the same PYTHONPATH
+#   bash tools/sglang/run_gpu.sh check
+# Each part (counted from the script's start) stays within PART_BUDGET seconds (default 530);
+# every step runs under `timeout` and logs to $OUT (default /tmp/prefixattn-sglang). The last
+# lines printed are a short summary (also in $OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/prefixattn-sglang}
@@ -22,7 +29,6 @@ part=${1:-check}
 budget=${PART_BUDGET:-530}
 summary="$OUT/summary.txt"
 : >"$summary"
-here=integration/sglang
 t0_part=$SECONDS
 status=0
 
@@ -52,11 +58,11 @@ step() {
 environment() {
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python - <<'EOF'
+    python3 - <<'EOF'
 import torch, sglang, prefixattn
-from prefixattn import _ops
+from prefixattn.runtime.library import cuda_ops_available
 print("torch", torch.__version__, "cuda", torch.version.cuda, "sglang", sglang.__version__)
-print("prefixattn cuda kernels:", _ops.cuda_ops_available(),
+print("prefixattn cuda kernels:", cuda_ops_available(),
       "cuda_graph_safe:", getattr(prefixattn.PrefixAttention, "cuda_graph_safe", False))
 EOF
   } >"$OUT/environment.txt" 2>&1
@@ -66,16 +72,16 @@ EOF
 model=/tmp/prefixattn-tiny-llama # outside $OUT: its weights need not come back
 
 save_model() {
-  [[ -f $model/config.json ]] || python -c "import sys; sys.path.insert(0, '$here')
-from engine_check import save_model; save_model('$model')" >"$OUT/save_model.log" 2>&1
+  [[ -f $model/config.json ]] || python3 -c "from tools.sglang.engine_check import save_model
+save_model('$model')" >"$OUT/save_model.log" 2>&1
 }
 
 part_check() {
   save_model
   local secs=$(($(left) - 130))
-  step engine_check "$secs" python $here/engine_check.py --out "$OUT" \
+  step engine_check "$secs" python3 -m tools.sglang.engine_check --out "$OUT" \
     --model "$model" --graph-modes on off --budget $((secs - 25))
-  python - "$OUT/sglang_engine_check.json" <<'EOF' | tee -a "$summary"
+  python3 - "$OUT/sglang_engine_check.json" <<'EOF' | tee -a "$summary"
 import json, sys
 try:
     runs = json.load(open(sys.argv[1]))
@@ -93,7 +99,7 @@ smoke() {
   save_model
   local secs=$(($(left) - 5))
   ((secs > 200)) && secs=200
-  step server_smoke "$secs" python $here/server_smoke.py --model "$model" \
+  step server_smoke "$secs" python3 -m tools.sglang.server_smoke --model "$model" \
     --timeout $((secs - 40)) --extra --cuda-graph-max-bs-decode 32
   grep -E "healthy after|answer:|exited|did not" "$OUT/server_smoke.log" | cut -c1-200 |
     tee -a "$summary"
@@ -102,19 +108,26 @@ smoke() {
 part_decode_only() {
   save_model
   local secs=$(($(left) - 5))
-  step engine_check_decode_only "$secs" python $here/engine_check.py --out "$OUT" \
+  step engine_check_decode_only "$secs" python3 -m tools.sglang.engine_check --out "$OUT" \
     --model "$model" --graph-modes on off --decode-only --budget $((secs - 25))
   grep -E "^graphs|engine_check" "$OUT/engine_check_decode_only.log" | cut -c1-400 | tee -a "$summary"
 }
 
 part_bench() {
   local secs=$(($(left) - 5))
-  step bench_decode "$secs" python $here/bench_decode.py --out "$OUT" --budget $((secs - 20))
+  step bench_decode "$secs" python3 -m tools.sglang.bench_decode --out "$OUT" --budget $((secs - 20))
   sed -n '/^decode step time/,$p' "$OUT/bench_decode.log" | tee -a "$summary"
 }
 
-environment
+part_build() {
+  step install 300 python3 -m pip install -q --no-deps -e . || return 1
+  step build "$(left)" python3 -m prefixattn.cli build
+}
+
+[[ $part == build ]] && budget=${PART_BUDGET:-900}
+[[ $part == build ]] || environment
 case $part in
+  build) part_build ;;
   check) part_check ;;
   smoke) smoke ;;
   decode-only) part_decode_only ;;
@@ -124,7 +137,7 @@ case $part in
     t0_part=$SECONDS
     part_bench
     ;;
-  *) echo "usage: $0 [check|smoke|decode-only|bench|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [build|check|smoke|decode-only|bench|all]" >&2; exit 2 ;;
 esac
 echo "==== summary ($OUT/summary.txt)"
 cat "$summary"

@@ -17,7 +17,7 @@ process group ends), under a share of ``--budget`` seconds, with SGLang's info l
 cuda graph: True/False"): with graphs on, prefixattn passes only if its decode steps ran as
 CUDA graphs; with graphs off, only if none did.
 
-Pass criteria (the rule of ``integration/vllm/check_engine.py``), per request: the greedy
+Pass criteria (the rule of ``tools/vllm/check_engine.py``), per request: the greedy
 tokens agree up to the first position where the reference's top-2 logprobs are within
 ``2 * TOL`` (a near tie that bf16 rounding may legally flip; after a flip the continuations
 differ), and the chosen tokens' logprobs agree within ``TOL`` up to there. ``TOL = 0.05``:
@@ -29,7 +29,7 @@ With ``--decode-only`` the checked engine runs the reference backend for prefill
 prefixattn for decode (``--attention-backend triton --decode-attention-backend prefixattn``:
 SGLang's hybrid backend), against the reference alone.
 
-    python integration/sglang/engine_check.py --out DIR [--graph-modes on off] [--budget S]
+    python -m tools.sglang.engine_check --out DIR [--graph-modes on off] [--budget S]
         [--decode-only]
 """
 
@@ -47,9 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proc_group import run_in_group
-from prompt_trees import two_level_tree
+from tools import RESULTS
+from tools.proc_group import run_in_group
+from tools.prompt_trees import two_level_tree
 
 TOL = 0.05
 VOCAB = 8192
@@ -178,7 +178,18 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
     result = out / f"sglang_check_{backend}_{mode}.json"
     log = out / f"sglang_check_{backend}_{mode}.log"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--one", backend, mode, "--model", model, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.sglang.engine_check",
+        "--one",
+        backend,
+        mode,
+        "--model",
+        model,
+        "--out",
+        str(out),
+    ]
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log)
     wall = round(time.monotonic() - t0, 1)
@@ -194,7 +205,8 @@ def run_one(model: str, backend: str, mode: str, out: Path, timeout: float) -> d
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--out", type=Path, default=RESULTS / "sglang-check",
+                    help=f"folder for results and logs (default {RESULTS}/sglang-check)")  # fmt: skip
     ap.add_argument("--reference", default="triton", help="SGLang backend: triton or flashinfer")
     ap.add_argument("--graph-modes", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all engine runs")

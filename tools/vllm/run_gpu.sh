@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The vLLM GPU checks in one command, within about 9 minutes (one device command is at most 10):
-#   check  integration/vllm/check_engine.py: CUSTOM against FLASH_ATTN, CUDA graphs on and off
-#   serve  integration/vllm/serve_smoke.sh: `vllm serve --attention-backend CUSTOM`, one request
-#   bench  integration/vllm/bench_decode.py: decode step time, CUSTOM vs FLASHINFER, FLASH_ATTN
+# The vLLM GPU checks in one command, within about 9 minutes (BUDGET):
+#   build  install this tree (`pip install --no-deps -e .`, pure Python) and compile its library
+#          for the installed torch (`prefixattn build`); not counted in BUDGET
+#   check  tools/vllm/check_engine.py: CUSTOM against FLASH_ATTN, CUDA graphs on and off
+#   serve  tools/vllm/serve_smoke.sh: `vllm serve --attention-backend CUSTOM`, one request
+#   bench  tools/vllm/bench_decode.py: decode step time, CUSTOM vs FLASHINFER, FLASH_ATTN
 #
-# Usage, from the repository root on the GPU machine:
-#   export PYTHONPATH=/root/site            # vLLM 0.26.0 + FlashInfer, staged there
-#   bash integration/vllm/run_gpu.sh [check] [serve] [bench]      # no argument: all three
-# On a fresh machine the first engine compiles for about 2 minutes, which the check's share of
-# the default budget cannot absorb: there, run `check` in one command and `serve bench` in
-# the next (BUDGET=570 each).
-# The project must already be installed in $SITE (default /tmp/site), built against the image's
-# torch without the staged packages on the path, e.g.
-#   env -u PYTHONPATH pip install -q --no-build-isolation --no-deps --target /tmp/site .
-# Env: OUT (logs and JSON, default /tmp/vllm-gpu), SITE, BUDGET (seconds for the selected parts,
+# Usage, from the repository root on the GPU machine, for vLLM 0.26.0-0.33.0 (the GPU runs use
+# vLLM 0.33.0 with FlashInfer and torch 2.14.0, staged from .stage/vllm33 into /root/site33):
+#   export PYTHONPATH=/root/site33
+#   bash tools/vllm/run_gpu.sh build                             # once per machine
+#   bash tools/vllm/run_gpu.sh [check] [serve] [bench]           # no argument: all three
+# The library must be compiled against the torch the engine imports (the staged one), so run
+# `build` with the same PYTHONPATH. On a fresh machine the first engine compiles for about
+# 2 minutes, which the check's share of the default budget cannot absorb: there, run `check`
+# in one command and `serve bench` in the next (BUDGET=570 each).
+# Env: OUT (logs and JSON, default /tmp/vllm-gpu), BUDGET (seconds for the selected parts,
 # default 540: shared check 5 : serve 2 : bench 5), BENCH_ARGS (extra bench_decode.py arguments,
 # e.g. "--batches 64 256" or "--backends CUSTOM FLASH_ATTN"), CHECK_ARGS (extra check_engine.py
 # arguments, e.g. "--modes spec" for speculative decoding).
@@ -22,20 +24,32 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/vllm-gpu}
-SITE=${SITE:-/tmp/site}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 export OUT
-case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_CLI="python3 -m vllm.entrypoints.cli.main"
 
-parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(check serve bench)
+parts=()
+build=0
+for p in "${@}"; do
+  if [ "$p" = build ]; then build=1; else parts+=("$p"); fi
+done
+[ ${#parts[@]} -eq 0 ] && [ $build = 0 ] && parts=(check serve bench)
 declare -A weight=([check]=5 [serve]=2 [bench]=5)
 for p in "${parts[@]}"; do
-  [ -n "${weight[$p]:-}" ] || { echo "unknown part '$p' (check, serve, bench)"; exit 2; }
+  [ -n "${weight[$p]:-}" ] || { echo "unknown part '$p' (build, check, serve, bench)"; exit 2; }
 done
+
+if [ $build = 1 ]; then
+  echo "== build (log $OUT/build.log)"
+  {
+    python3 -m pip install -q --no-deps -e . &&
+      timeout 900 python3 -m prefixattn.cli build
+  } >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "build: FAIL"; exit 1; }
+  tail -1 "$OUT/build.log"
+  [ ${#parts[@]} -eq 0 ] && exit 0
+fi
 start=$SECONDS
 
 echo "== preflight"
@@ -47,13 +61,15 @@ import types
 import torch
 
 import prefixattn
-from prefixattn import _ops
 from prefixattn.adapters.vllm.backend import PrefixAttentionMetadataBuilder as B
+from prefixattn.runtime.library import cuda_ops_available
 
 spec = types.SimpleNamespace(dtype=torch.bfloat16)
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "prefixattn"]
 print("torch", torch.__version__, "| vllm", md.version("vllm"), "| prefixattn", prefixattn.__file__)
-print("cuda kernels:", _ops.cuda_ops_available(),
+if not eps:
+    print("no prefixattn entry point: install this tree first (run_gpu.sh build)")
+print("cuda kernels:", cuda_ops_available(),
       "| cuda_graph_safe:", getattr(prefixattn.PrefixAttention, "cuda_graph_safe", None),
       "| declared CG support:", B.get_cudagraph_support(None, spec).name,
       "| plugin entry point:", eps)
@@ -99,7 +115,7 @@ for p in "${parts[@]}"; do
   case $p in
     check)
       # shellcheck disable=SC2086
-      run_part check "$b" python3 integration/vllm/check_engine.py --out "$OUT" --budget $((b - 25)) \
+      run_part check "$b" python3 -m tools.vllm.check_engine --out "$OUT" --budget $((b - 25)) \
         ${CHECK_ARGS:-}
       ;;
     serve)
@@ -112,12 +128,12 @@ for p in "${parts[@]}"; do
  "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "bos_token_id": 1,
  "eos_token_id": 2}
 EOF
-      SERVE_WAIT=$((b - 20)) run_part serve "$b" bash integration/vllm/serve_smoke.sh "$model" 8765 \
+      SERVE_WAIT=$((b - 20)) run_part serve "$b" bash tools/vllm/serve_smoke.sh "$model" 8765 \
         --load-format dummy
       ;;
     bench)
       # shellcheck disable=SC2086
-      run_part bench "$b" python3 integration/vllm/bench_decode.py --out "$OUT/vllm_bench_decode.json" \
+      run_part bench "$b" python3 -m tools.vllm.bench_decode --out "$OUT/vllm_bench_decode.json" \
         --budget $((b - 20)) ${BENCH_ARGS:-}
       ;;
   esac

@@ -1,0 +1,1 @@
+"""The cross-framework integration matrix (run_matrix.py)."""

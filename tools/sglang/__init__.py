@@ -1,0 +1,1 @@
+"""SGLang: engine check, server smoke test, decode and plan-cost benchmarks, GPU runner."""
