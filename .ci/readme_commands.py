@@ -17,5 +17,7 @@ if block is None:
     sys.exit("README.md: no ```bash block under '## Set up and test'")
 lines = [line for line in block.group(1).splitlines() if line.strip()]
 if len(lines) < 2 or sys.argv[1:] not in (["setup"], ["test"]):
-    sys.exit("usage: readme_commands.py setup|test (README block needs set-up lines and a test line)")
+    sys.exit(
+        "usage: readme_commands.py setup|test (README block needs set-up lines and a test line)"
+    )
 print("\n".join(lines[:-1]) if sys.argv[1] == "setup" else lines[-1])

@@ -8,7 +8,7 @@ at the full bandwidth with repeated page reads served from L2 (``cap``) and from
 (``cap_reads``), then their geometric means. A measured ``bench_attention.py`` JSON
 (``--result``) adds the measured share of the floor and the share of the plan's own bound.
 
-    python benchmarks/plan_traffic.py --result docs/results/kernels-2026-11-24c/bench_attention_v25.json
+    python benchmarks/plan_traffic.py --result RUN.json
 """
 
 from __future__ import annotations

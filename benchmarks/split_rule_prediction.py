@@ -14,7 +14,7 @@ v8, "same-plan spread"). The script also prints each column's geometric-mean rat
 `prefixattn_us` over the configurations where all three plans are identical, and the
 prediction with the borrowed times divided by that ratio.
 
-    python benchmarks/split_rule_prediction.py docs/results/kernels-2026-11-23d/bench_attention_v12.json
+    python benchmarks/split_rule_prediction.py RUN.json
 """
 
 from __future__ import annotations

@@ -10,19 +10,12 @@ Markers:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import strategies as st
-
-INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
-
 
 NATIVE_OR_PYTHON = [
     pytest.param(True, id="native", marks=pytest.mark.native),
@@ -51,16 +44,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             if os.environ.get("PREFIXATTN_REQUIRE_NATIVE") == "1":
                 pytest.fail(reason + " (PREFIXATTN_REQUIRE_NATIVE=1)", pytrace=False)
             pytest.skip(reason)
-
-
-def load_script(name: str, path: Path) -> ModuleType:
-    """Import a script of integration/ (not a package) as module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @dataclasses.dataclass

@@ -184,7 +184,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--breakdown", type=int, default=0, metavar="CALLS",
                     help="also profile CALLS calls of prefixattn per configuration: device time "
                     "per kernel, and the span from its first kernel to its last")  # fmt: skip
-    ap.add_argument("--out", default="docs/results/bench_attention.json",
+    ap.add_argument("--out", default="prefixattn-results/bench_attention.json",
                     help="result JSON (a table and a plot are written beside it)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.iters <= 0:
