@@ -151,7 +151,7 @@ def test_hnd_layout_shape_is_checked() -> None:
 
 @pytest.mark.parametrize(
     ("target", "error"),
-    [(-1, ValueError), (2**31, ValueError), (1.5, TypeError), ("132", TypeError)],
+    [(-1, ValueError), (2**63, ValueError), (1.5, TypeError), ("132", TypeError)],
 )
 def test_bad_split_target_is_rejected_when_set(target: object, error: type[Exception]) -> None:
     pa = _pa()

@@ -7,10 +7,13 @@ arrays into fixed-address buffers and runs it on the CUDA kernels or the PyTorch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
+import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 import torch
@@ -21,7 +24,7 @@ from .plan.device_table import hint_checks, hint_positions, hinted_table, table_
 from .plan.layout import variant_mask
 from .plan.packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .plan.planner import HostPlan, build_host_plan
-from .plan.tiles import SUPPORTED_HEAD_DIMS, tile_table
+from .plan.tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
 from .plan.types import LaunchPlan, PlanArrays
 from .runtime import library
 from .runtime.buffers import (
@@ -92,6 +95,24 @@ def decode_reservation(
 
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_LOADED = "_prefixattn_loaded"
+"""Attribute of a plan whose arrays live in a PrefixAttention's fixed-address buffers: (that
+object's token, the generation of its main buffers the plan was loaded as, and that of the
+fallback buffers for a hinted plan, else None). Not a dataclass field, so a copy made with
+``dataclasses.replace`` carries no check."""
+
+
+def _serialized(method: _F) -> _F:
+    """Run ``method`` under the object's plan lock where plans share its device buffers."""
+
+    @functools.wraps(method)
+    def wrapper(self: PrefixAttention, *args: Any, **kwargs: Any) -> Any:
+        with self._plan_guard():
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 class _Option(Generic[_T]):
@@ -128,6 +149,22 @@ class PrefixAttention:
     Each step, call :meth:`plan` once with the batch's block table and lengths; then call
     :meth:`run` in every layer with that layer's query and KV cache.
 
+    Threads: a plan is a host object, but on a CUDA device its index arrays live in this
+    object's fixed-address buffers (CUDA graphs replay them), which every ``plan*`` call
+    overwrites. So:
+
+    - :meth:`run` without ``plan=`` runs the calling thread's last plan (:attr:`last_plan`
+      is per thread); another thread's plans never replace it.
+    - On a CUDA device a plan stays valid only until the next ``plan*`` call on the same
+      object, from any thread (for a hinted plan, also :meth:`reserve` with ``hinted``):
+      :meth:`run` raises ``RuntimeError`` ("stale plan") for an older one instead of
+      reading the newer plan's arrays. ``plan*`` calls are serialized
+      by a lock, but the caller orders each thread's ``plan`` -> ``run`` sequence against
+      the others' (or uses one object per thread); the partials scratch is shared too, so
+      runs on several streams at once need one object each.
+    - On the CPU each plan owns its arrays: plans from any thread stay valid, and planning
+      runs in parallel.
+
     Parameters
     ----------
     num_qo_heads, num_kv_heads:
@@ -140,7 +177,13 @@ class PrefixAttention:
     kv_layout:
         ``"NHD"``: caches are [num_pages, page_size, num_kv_heads, head_dim];
         ``"HND"``: [num_pages, num_kv_heads, page_size, head_dim]. Any strides are accepted
-        as long as the last dimension is contiguous.
+        as long as the last dimension is contiguous, except where ``page_size ==
+        num_kv_heads > 1``: the shapes of the two layouts are then the same, and ``run``
+        reads the layout from the strides of dims 1 and 2. It raises ``ValueError`` for a
+        cache whose dim 2 encloses dim 1 in memory (stride(2) >= stride(1) * page_size:
+        the other layout's order, e.g. an HND view of an NHD cache passed to an NHD
+        object); a contiguous cache (dim 1 enclosing dim 2) is taken as the declared layout,
+        since nothing tells a contiguous HND cache from an NHD one there.
     device:
         Where plans put their index arrays (default: CPU).
     dtype:
@@ -213,11 +256,16 @@ class PrefixAttention:
         self.launch_options = LaunchOptions() if launch_options is None else launch_options
         """How ``run`` launches plans; see :class:`LaunchOptions`."""
         self.tiles = tile_table(head_dim)
-        """The tile table plans choose (m, n) tiles from (``prefixattn.plan.tiles``)."""
         self._shape = BatchShape(
             num_qo_heads, num_kv_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
         )
-        self._plan: LaunchPlan | None = None
+        self._local = threading.local()  # .plan: the calling thread's last plan
+        self._plan_lock = threading.RLock()
+        self._generation = 0
+        """Plans loaded into the main buffers so far (CUDA): a plan of another generation
+        was overwritten."""
+        self._fallback_generation = 0  # the same for the hinted plans' fallback buffers
+        self._token = object()
         self._buffers: PlanBuffers | None = None
         self._workspace: Workspace | None = None
         self._hinted: HintedState | None = None
@@ -228,6 +276,7 @@ class PrefixAttention:
     pack_heads = _Option[bool]("plan_options", PlanOptions)
     finish_in_leaf = _Option[bool]("plan_options", PlanOptions)
     one_launch_in_one_wave = _Option[bool]("plan_options", PlanOptions)
+    max_plan_bytes = _Option[int | None]("plan_options", PlanOptions)
     use_kernels = _Option[bool]("launch_options", LaunchOptions)
     prefetch_tiles = _Option[int]("launch_options", LaunchOptions)
     fixed_grid = _Option[bool]("launch_options", LaunchOptions)
@@ -255,10 +304,25 @@ class PrefixAttention:
         return main + (0 if self._hinted is None else self._hinted.buffers.generation)
 
     @property
-    def last_plan(self) -> LaunchPlan | None:
-        """The plan :meth:`run` uses (the last one :meth:`plan` built)."""
-        return self._plan
+    def tiles(self) -> TileTable:
+        """The tile table plans choose (m, n) tiles from (``prefixattn.plan.tiles``); a
+        :class:`~prefixattn.plan.tiles.TileTable`, checked when it is made."""
+        return self._tiles
 
+    @tiles.setter
+    def tiles(self, table: TileTable) -> None:
+        if not isinstance(table, TileTable):
+            raise TypeError(f"tiles must be a TileTable, got {type(table).__name__}")
+        self._tiles = table
+
+    @property
+    def last_plan(self) -> LaunchPlan | None:
+        """The plan :meth:`run` uses by default: the last one a ``plan*`` call of the calling
+        thread built (None before)."""
+        plan: LaunchPlan | None = getattr(self._local, "plan", None)
+        return plan
+
+    @_serialized
     def reserve(
         self,
         num_work_items: int,
@@ -292,6 +356,7 @@ class PrefixAttention:
         self._reserve_workspace(num_slots)
 
     # ------------------------------------------------------------------ plan
+    @_serialized
     def plan(
         self,
         block_table: torch.Tensor | np.ndarray,
@@ -332,6 +397,7 @@ class PrefixAttention:
         self._quiet_fallback()
         return plan
 
+    @_serialized
     def plan_unshared(
         self,
         block_table: torch.Tensor,
@@ -375,6 +441,7 @@ class PrefixAttention:
         self._quiet_fallback()
         return plan
 
+    @_serialized
     def plan_hinted(
         self,
         block_table: torch.Tensor,
@@ -456,7 +523,10 @@ class PrefixAttention:
         primary.counts.mul_((~taken).to(torch.int32))
         fallback.counts.mul_(taken.to(torch.int32))
         plan = dataclasses.replace(primary, fallback=fallback, fallback_taken=taken)
-        self._plan = plan
+        if hasattr(primary, _LOADED):  # its fallback was loaded just before it
+            loaded = (self._token, self._generation, self._fallback_generation)
+            object.__setattr__(plan, _LOADED, loaded)
+        self._local.plan = plan
         return plan
 
     # ------------------------------------------------------------------- run
@@ -484,16 +554,24 @@ class PrefixAttention:
         out:
             Optional [T, Hq, D] output, written in place (caller-owned: CUDA-graph friendly).
         plan:
-            The plan to run (default: the last one :meth:`plan` built).
+            The plan to run (default: :attr:`last_plan`, the last one a ``plan*`` call of
+            the calling thread built). On a CUDA device only the object's latest plan can
+            run: an older one raises ``RuntimeError`` (its arrays were overwritten; see the
+            class docstring).
 
-        Returns ``out`` (or a new tensor). On CUDA float16/bfloat16 tensors, with a library
-        built with the CUDA kernels, the plan runs on the kernels (no host sync, no allocation
-        once the scratch is reserved; capturable in a CUDA graph, see :attr:`cuda_graph_safe`);
-        otherwise the PyTorch reference executes it (``prefixattn.runtime.reference.run_plan_reference``).
+        Where ``page_size == num_kv_heads`` the shapes of NHD and HND caches are the same:
+        caches whose strides put them in the other layout's order raise ``ValueError``, and
+        contiguous ones are read in ``kv_layout`` (see the constructor's ``kv_layout``).
+
+        Returns ``out`` (or a new tensor). CUDA tensors run on the CUDA kernels (no host sync,
+        no allocation once the scratch is reserved; capturable in a CUDA graph, see
+        :attr:`cuda_graph_safe`); where the kernels cannot run them (no compiled kernels for
+        this GPU, or a dtype other than float16/bfloat16) ``run`` raises ``RuntimeError`` with
+        the reason, unless ``launch_options.use_kernels`` is False: that explicit opt-in runs
+        the slow PyTorch reference on CUDA tensors. CPU tensors always run on the reference
+        (``prefixattn.runtime.reference.run_plan_reference``), which executes the same plan.
         """
-        plan = plan if plan is not None else self._plan
-        if plan is None:
-            raise RuntimeError("PrefixAttention.run called before plan()")
+        plan = self._plan_to_run(plan)
         geometry = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                     self.kv_layout)  # fmt: skip
         checks.check_run_inputs(geometry, self.dtype, plan, q, k_cache, v_cache, out)
@@ -501,8 +579,8 @@ class PrefixAttention:
         if out is None:
             out = torch.empty_like(q)
         launch = self.launch_options
-        kernels = launch.use_kernels and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        if kernels and library.cuda_ops_available():
+        if q.is_cuda and launch.use_kernels:
+            _require_kernels(q.dtype)
             if self._workspace is None:
                 self._workspace = Workspace(q.device, q.dtype)
             finish = self.plan_options.finish_in_leaf
@@ -523,6 +601,43 @@ class PrefixAttention:
         return run_plan_reference(plan, q, k_cache, v_cache, out, scale)
 
     # ------------------------------------------------------------- internals
+    @property
+    def _plans_share_buffers(self) -> bool:
+        """Plans load their arrays into this object's fixed-address buffers (CUDA), which
+        the next plan overwrites."""
+        return self.device.type == "cuda"
+
+    def _plan_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """The lock of ``plan*`` calls where plans share buffers (host planning in parallel
+        otherwise)."""
+        return self._plan_lock if self._plans_share_buffers else contextlib.nullcontext()
+
+    def _plan_to_run(self, plan: LaunchPlan | None) -> LaunchPlan:
+        """``plan``, or the calling thread's last one, after checking that its arrays were
+        not overwritten by a later plan."""
+        if plan is None:
+            plan = self.last_plan
+            if plan is None:
+                raise RuntimeError(
+                    "PrefixAttention.run called before plan() in this thread (run uses the "
+                    "calling thread's last plan by default; pass plan= to run another)"
+                )
+        loaded = getattr(plan, _LOADED, None)
+        if loaded is None or loaded[0] is not self._token:
+            return plan
+        if loaded[1] != self._generation:
+            why = f"a later plan (#{self._generation}, by this or another thread)"
+        elif loaded[2] not in (None, self._fallback_generation):
+            why = "reserve(hinted=True) (its fallback's arrays)"
+        else:
+            return plan
+        raise RuntimeError(
+            f"prefixattn: stale plan: the device arrays of plan #{loaded[1]} of this "
+            f"PrefixAttention were overwritten by {why}; a plan stays valid only until the "
+            "next plan*() call on the same object. Plan again, or use one PrefixAttention "
+            "per thread"
+        )
+
     def _main_buffers(self) -> PlanBuffers:
         if self._buffers is None:
             self._buffers = PlanBuffers(self.device)
@@ -589,10 +704,19 @@ class PrefixAttention:
             split_target=options.split_target, sm_count=_sm_count(self.device), native=native,
             finish_in_leaf=options.finish_in_leaf,
             one_launch_in_one_wave=options.one_launch_in_one_wave, pack_heads=options.pack_heads,
+            max_bytes=options.max_plan_bytes,
         )  # fmt: skip
         arrays = hp.device_arrays()
         if positions_of is not None:
             arrays["kv_pages"] = positions_of(hp.host)
+        generation = None
+        if self._plans_share_buffers:
+            # Counted before the load: from here on the buffers no longer hold the last plan.
+            if buffers is None:
+                self._generation += 1
+                generation = self._generation
+            else:
+                self._fallback_generation += 1
         views = load_plan_arrays(
             arrays,
             self.device,
@@ -604,8 +728,10 @@ class PrefixAttention:
             # buffers_generation tells graph users about it before any replay.
             self._reserve_workspace(hp.num_partials)
         plan = self._launch_plan(hp, packing, split_kv, table.shape[0], views, page_table)
+        if generation is not None:
+            object.__setattr__(plan, _LOADED, (self._token, generation, None))
         if remember:
-            self._plan = plan
+            self._local.plan = plan
         return plan
 
     def _launch_plan(
@@ -701,3 +827,18 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return DEFAULT_SPLIT_TARGET
+
+
+def _require_kernels(dtype: torch.dtype) -> None:
+    """CUDA tensors run on the kernels or not at all (no silent slow path)."""
+    opt_in = (
+        "(to run the slow PyTorch reference on CUDA tensors instead, set "
+        "launch_options.use_kernels = False)"
+    )
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(
+            f"prefixattn: the CUDA kernels take float16 or bfloat16, not {dtype} {opt_in}"
+        )
+    status = library.kernels_status()
+    if status != "available":
+        raise RuntimeError(f"prefixattn: CUDA kernels {status} {opt_in}")

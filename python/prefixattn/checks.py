@@ -17,6 +17,7 @@ from .plan.planner import entries_read
 from .plan.types import LaunchPlan
 
 _INT64_MAX = np.iinfo(np.int64).max
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 def host_int_array(name: str, value: Any, ndim: int, keep_dtype: bool = False) -> np.ndarray:
@@ -49,19 +50,21 @@ def int32_page_ids(
 ) -> np.ndarray:
     """``table`` (any integer dtype) as int32, after checking that every entry a request with
     new tokens uses (its first ``ceil(len / page_size)``) is a page id in [0, 2**31); other
-    entries may hold anything."""
-    if table.dtype == np.int32:
-        return table
+    entries may hold anything. The first bad entry in row-major order is reported, the same
+    for either planner."""
     int32_max = np.iinfo(np.int32).max
-    if table.size == 0 or (int(table.min()) >= 0 and int(table.max()) <= int32_max):
-        return table.astype(np.int32)
+    if table.size == 0 or (
+        int(table.min()) >= 0 and (table.dtype == np.int32 or int(table.max()) <= int32_max)
+    ):
+        return table if table.dtype == np.int32 else table.astype(np.int32)
     bad = entries_read(table, lens, indptr, page_size) & ((table < 0) | (table > int32_max))
     if bad.any():
         b, j = (int(x) for x in np.argwhere(bad)[0])
         v = int(table[b, j])
         what = "a negative page id" if v < 0 else "a page id beyond int32 range"
         raise IndexError(f"block_table[{b}, {j}] = {v} is {what}")
-    return table.astype(np.int32)  # unused entries may wrap: they are never read
+    # Unused entries may wrap (or be negative): they are never read.
+    return table if table.dtype == np.int32 else table.astype(np.int32)
 
 
 def host_qo_indptr(qo_indptr: Any, b: int) -> np.ndarray:
@@ -88,12 +91,24 @@ def check_scale(scale: Any) -> float:
     return value
 
 
+def check_seq_lens(lens: np.ndarray) -> None:
+    """seq_lens in [0, 2**31): plans hold positions and causal bounds as int32."""
+    bad = (lens < 0) | (lens > _INT32_MAX)
+    if bad.any():
+        b = int(np.flatnonzero(bad)[0])
+        v = int(lens[b])
+        if v < 0:
+            raise ValueError(f"seq_lens[{b}] = {v} is negative")
+        raise ValueError(
+            f"seq_lens[{b}] = {v} is beyond int32 range: request {b} is longer than the "
+            f"{_INT32_MAX} tokens a plan's int32 positions hold"
+        )
+
+
 def check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int) -> None:
-    """seq_lens non-negative and within the table's rows, qo_indptr from 0, non-decreasing
-    and within seq_lens."""
-    if (lens < 0).any():
-        b = int(np.flatnonzero(lens < 0)[0])
-        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is negative")
+    """seq_lens in [0, 2**31) and within the table's rows, qo_indptr from 0, non-decreasing,
+    within seq_lens and at most 2**31 - 1 tokens in all."""
+    check_seq_lens(lens)
     if indptr.shape[0] and indptr[0] != 0:
         raise ValueError(f"qo_indptr must start at 0, got {int(indptr[0])}")
     qo_len = np.diff(indptr)
@@ -105,6 +120,11 @@ def check_lengths(table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_
         raise ValueError(
             f"qo_indptr gives request {b} {int(qo_len[b])} new tokens but seq_lens[{b}] is "
             f"{int(lens[b])}; seq_lens must include the new tokens"
+        )
+    if indptr.shape[0] and indptr[-1] > _INT32_MAX:
+        raise ValueError(
+            f"qo_indptr holds {int(indptr[-1])} query tokens, more than the {_INT32_MAX} "
+            "a plan's int32 token indices hold"
         )
     capacity = table.shape[1] * page_size
     if (lens > capacity).any():
@@ -156,6 +176,7 @@ def device_table_inputs(
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise ValueError("block_table must have a contiguous last dimension")
     lens = host_int_array("seq_lens", seq_lens, ndim=1).astype(np.int64, copy=False)
+    check_seq_lens(lens)
     b = lens.shape[0]
     indptr = host_qo_indptr(qo_indptr, b)
     if rows is None:
@@ -186,6 +207,30 @@ def layout_doc(layout: str) -> str:
     if layout == "NHD":
         return "[num_pages, page_size, num_kv_heads, head_dim]"
     return "[num_pages, num_kv_heads, page_size, head_dim]"
+
+
+def check_layout_strides(name: str, cache: torch.Tensor, kv_layout: str) -> None:
+    """Where page_size == num_kv_heads the NHD and HND shapes are the same; then the strides
+    of dims 1 and 2 tell the layout where they can: a cache whose dim 2 encloses dim 1 in
+    memory (stride(2) >= stride(1) * size(1), and not the other way round) is in the other
+    layout's order (e.g. an HND view of an NHD cache, or of vLLM's packed K/V). A cache whose
+    dim 1 encloses dim 2 (contiguous ones, vLLM's packed NHD views with strides
+    (page, heads * 2D, 2D, 1)) is taken as ``kv_layout``: nothing tells the layouts apart
+    there."""
+    n = cache.shape[1]
+    if n != cache.shape[2] or n <= 1:
+        return
+    s1, s2 = cache.stride(1), cache.stride(2)
+    if s2 >= s1 * n and not s1 >= s2 * n:
+        other = "HND" if kv_layout == "NHD" else "NHD"
+        raise ValueError(
+            f"{name} has shape {tuple(cache.shape)} and strides {tuple(cache.stride())}: with "
+            f"page_size == num_kv_heads == {n} that shape fits both layouts, and the strides "
+            f"put dim 2 outside dim 1 in memory, the order of a {other} cache "
+            f"({layout_doc(other)}), but this PrefixAttention was built for kv_layout "
+            f"{kv_layout!r} ({layout_doc(kv_layout)}). Pass the cache with dims 1 and 2 in "
+            f"memory order, or build the object with kv_layout={other!r}"
+        )
 
 
 def check_run_inputs(
@@ -246,6 +291,7 @@ def check_run_inputs(
                 f"{name} has shape {tuple(cache.shape)}; expected {layout_doc(kv_layout)} "
                 f"with page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
             )
+        check_layout_strides(name, cache, kv_layout)
         if cache.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {cache.dtype} but q has {q.dtype}")
         if cache.device != q.device:

@@ -12,6 +12,10 @@ import dataclasses
 from typing import Any, ClassVar
 
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+DEFAULT_MAX_PLAN_BYTES = 8 * 2**30
+"""``PlanOptions.max_plan_bytes`` by default: 8 GiB."""
 
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
@@ -19,14 +23,16 @@ def _check_bool(owner: str, name: str, value: Any) -> None:
         raise TypeError(f"{owner}.{name} must be a bool, got {value!r}")
 
 
-def _check_count(owner: str, name: str, value: Any, optional: bool = False) -> None:
+def _check_count(
+    owner: str, name: str, value: Any, optional: bool = False, top: int = _INT32_MAX
+) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         what = "None or an int" if optional else "an int"
         raise TypeError(f"{owner}.{name} must be {what}, got {value!r}")
-    if not 0 <= value <= _INT32_MAX:
-        raise ValueError(f"{owner}.{name} must be in [0, {_INT32_MAX}], got {value}")
+    if not 0 <= value <= top:
+        raise ValueError(f"{owner}.{name} must be in [0, {top}], got {value}")
 
 
 class _Checked:
@@ -56,7 +62,9 @@ class PlanOptions(_Checked):
     """(work item, KV head) pairs the GPU runs at once; None (default): the device's SM count,
     read at the first plan (``DEFAULT_SPLIT_TARGET`` for a CPU device), which then stays
     here. A long row chunk is split only where its KV is more than twice its launch's KV
-    tokens per SM (``prefixattn.plan.packing``); 0 splits every long item."""
+    tokens per SM (``prefixattn.plan.packing``); 0 splits every long item. Any value up to
+    2**63 - 1 is exact; beyond some multiple of the batch's KV tokens a larger one changes
+    nothing (every long item is cut as finely as the split floor allows)."""
 
     pack_heads: bool = True
     """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the items'
@@ -78,12 +86,21 @@ class PlanOptions(_Checked):
     kernels run as one launch instead of one per height (docs/kernel-notes.md, v8). False:
     each item keeps its own tile height."""
 
+    max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
+    """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than
+    this many bytes; None: no limit. The estimate is taken from the lengths alone before any
+    planning (``prefixattn.plan.planner.estimate_plan``): mostly the page ids of every row
+    chunk, which at page size 1 grow with query tokens x context (a 64K-token prefill chunk
+    into a 1M-token context lists about 2e9 page ids). Default 8 GiB, the same on every
+    machine, so that a batch planned on one host is planned on another."""
+
     _CHECKS: ClassVar[dict[str, Any]] = {
         "native_plan": _check_bool,
-        "split_target": lambda o, n, v: _check_count(o, n, v, optional=True),
+        "split_target": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
         "pack_heads": _check_bool,
         "finish_in_leaf": _check_bool,
         "one_launch_in_one_wave": _check_bool,
+        "max_plan_bytes": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
     }
 
 
@@ -92,8 +109,9 @@ class LaunchOptions(_Checked):
     """How ``PrefixAttention.run`` launches a plan on the CUDA kernels."""
 
     use_kernels: bool = True
-    """Run plans on the CUDA kernels when they are built (CUDA fp16/bf16 tensors); False: on
-    the PyTorch reference."""
+    """CUDA tensors run on the CUDA kernels, and ``run`` raises where the kernels cannot run
+    them (not compiled for this GPU, or not float16/bfloat16). False is the explicit opt-in to
+    the slow PyTorch reference on CUDA tensors. CPU tensors always run on the reference."""
 
     prefetch_tiles: int = 0
     """Prefetch KV into L2 this many 64-token tiles ahead of the copies

@@ -151,7 +151,7 @@ def test_finished_tokens_give_the_same_output(spec: str) -> None:
     pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
     pa.split_target = 132
     pa.plan(table, lens)
-    assert pa._plan is not None and pa._plan.num_finished > 0
+    assert pa.last_plan is not None and pa.last_plan.num_finished > 0
     out = pa.run(q, k, v)
     pa.finish_in_leaf = False
     pa.plan(table, lens)

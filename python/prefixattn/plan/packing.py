@@ -320,7 +320,14 @@ def pack(
             np.add.at(launch_len, height, chunk_len)
             launch_share = shape.num_kv_heads * launch_len[height]  # x slots
             per_sm = np.asarray([pairs_per_sm(int(m), shape.head_dim) for m in m_sizes])
-            slots = split_target * per_sm[height]
+            # From SPLIT_SLACK * share + 1 slots on, every chunk is idle and its balanced
+            # parts exceed its floor, so a larger target decides the same: capping it there
+            # keeps the products exact (a target of 2**63 - 1 would wrap int64).
+            target = min(split_target, SPLIT_SLACK * int(launch_share.max()) + 1)
+            slots = target * per_sm[height]
+            big = int(chunk_len.max()) * int(slots.max()) * SPLIT_SLACK >= 2**63
+            if big:  # exact Python ints where int64 could wrap
+                slots, chunk_len = slots.astype(object), chunk_len.astype(object)
             idle = chunk_len * slots > SPLIT_SLACK * launch_share
             balanced = -(-(SPLIT_SLACK * slots * chunk_len) // np.maximum(launch_share, 1))
             floor_parts = np.maximum(chunk_len // MIN_SPLIT_TOKENS, 1)
@@ -328,6 +335,8 @@ def pack(
             # length: one long request would otherwise keep a single part.
             cap = np.where(per_sm[height] > 1, chunk_pages, parts)
             parts = np.where(idle, np.minimum(np.minimum(cap, balanced), floor_parts), 1)
+            if big:
+                parts, chunk_len = parts.astype(np.int64), chunk_len.astype(np.int64)
     part_chunk = np.repeat(np.arange(n_chunks), parts)
     part_rank, _ = _segment_rank(part_chunk, n_chunks)
     pc, pp = chunk_pages[part_chunk], parts[part_chunk]

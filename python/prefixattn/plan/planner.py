@@ -69,6 +69,90 @@ class HostPlan:
         return {n: getattr(self.host, n) for n in DEVICE_ARRAYS} | {"counts": self.counts}
 
 
+PLAN_BYTES_PER_PAGE = 8
+PLAN_BYTES_PER_SLOT = 64
+PLAN_BYTES_PER_ITEM = 512
+"""Host bytes per page id, (item, token) slot and work item or forest node that a plan
+takes while it is built (its arrays and the planner's temporaries; measured on the Python
+planner, which takes about twice the compiled one's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEstimate:
+    """The size of the plans one ``plan*`` call builds, estimated from the lengths alone."""
+
+    work_items: int
+    slots: int
+    pages: int
+    nbytes: int
+
+    def describe(self) -> str:
+        return (
+            f"about {self.nbytes / 2**30:.2f} GiB ({self.work_items} work items, "
+            f"{self.slots} query slots, {self.pages} page ids)"
+        )
+
+
+def estimate_plan(
+    lens: np.ndarray, indptr: np.ndarray, page_size: int, group_size: int, tiles: TileTable
+) -> PlanEstimate:
+    """The plans' size from the lengths (O(batch), before any planning).
+
+    Each request's new tokens go in row chunks of at most ``max_rows // group_size`` tokens,
+    and each chunk lists the pages up to its last token's causal bound (the per-request
+    plan; sharing makes prefix-aware plans smaller). A 64K-token chunk into a 1M-token
+    context at page size 1 makes 2048 chunks of about 1M pages each. The plans the planner
+    may build for one call count together (the narrow table's, of smaller chunks, is built
+    beside the first).
+    """
+    n = np.diff(indptr).astype(np.float64)
+    live = n > 0
+    n, length = n[live], lens[live].astype(np.float64)
+    batch = int(live.sum())
+    items = slots = pages = 0.0
+    narrow = tiles.narrow()
+    tables = [tiles] if narrow is None else [tiles, narrow]
+    for t in tables:
+        per_chunk = max(1, t.max_rows // group_size)
+        c = np.ceil(n / per_chunk)
+        # Chunk j (of c) reaches position len - n + (j + 1) * per_chunk; the last one len.
+        reach = (c - 1) * (length - n) + per_chunk * (c - 1) * c / 2 + length
+        pages += float((reach / page_size + c).sum())
+        items += float(c.sum())
+        slots += float(n.sum())
+    nodes = 2 * batch * len(tables)  # forest nodes and their items
+    nbytes = (
+        PLAN_BYTES_PER_PAGE * pages
+        + PLAN_BYTES_PER_SLOT * slots
+        + PLAN_BYTES_PER_ITEM * (items + nodes)
+    )
+    return PlanEstimate(int(items), int(slots), int(pages), int(nbytes))
+
+
+def check_plan_size(
+    lens: np.ndarray,
+    indptr: np.ndarray,
+    page_size: int,
+    group_size: int,
+    tiles: TileTable,
+    max_bytes: int | None,
+) -> None:
+    """Raise ``MemoryError`` where :func:`estimate_plan` exceeds ``max_bytes`` (None: no
+    limit)."""
+    if max_bytes is None:
+        return
+    est = estimate_plan(lens, indptr, page_size, group_size, tiles)
+    if est.nbytes > max_bytes:
+        per_chunk = max(1, tiles.max_rows // group_size)
+        raise MemoryError(
+            f"prefixattn: planning this batch would take {est.describe()} of host memory, "
+            f"more than PlanOptions.max_plan_bytes = {max_bytes} ({max_bytes / 2**30:.2f} "
+            f"GiB). Every chunk of up to {per_chunk} query tokens lists the pages of its "
+            f"whole context: use a larger page_size or shorter prefill chunks, or raise "
+            f"max_plan_bytes (None: no limit)"
+        )
+
+
 def entries_read(
     table: np.ndarray, lens: np.ndarray, indptr: np.ndarray, page_size: int
 ) -> np.ndarray:
@@ -104,6 +188,7 @@ def build_host_plan(
     finish_in_leaf: bool,
     one_launch_in_one_wave: bool,
     pack_heads: bool,
+    max_bytes: int | None = None,
 ) -> HostPlan:
     """The host plan of checked inputs.
 
@@ -111,8 +196,11 @@ def build_host_plan(
     indptr: int64 [B+1]. ``split_target``: (item, KV head) pairs the GPU runs at once (0:
     split every long item); ``sm_count``: the device's SMs (the leaf launch's warps and the
     pairs that head packing keeps). ``native``: use the compiled planner (its op must be
-    registered). The other switches are those of :class:`prefixattn.PlanOptions`.
+    registered). ``max_bytes``: refuse (``MemoryError``) where :func:`estimate_plan`
+    exceeds it (None: no limit). The other switches are those of
+    :class:`prefixattn.PlanOptions`.
     """
+    check_plan_size(lens, indptr, page_size, shape.group_size, tiles, max_bytes)
     num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
     target = split_target
 

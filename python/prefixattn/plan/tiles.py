@@ -9,9 +9,37 @@ shared-memory, register and bytes-in-flight limits once those kernels exist.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+MAX_TILE_N = 65535
+"""The largest KV tile (``n``): plans key tiles as ``m * 65536 + n``."""
+_INT32_MAX = 2**31 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _check_heights(name: str, sizes: Any, allow_empty: bool) -> None:
+    """``sizes``: a tuple of positive ascending int heights (the planners divide by them)."""
+    if not isinstance(sizes, tuple):
+        raise TypeError(f"TileTable.{name} must be a tuple of ints, got {sizes!r}")
+    if not sizes and not allow_empty:
+        raise ValueError(f"TileTable.{name} must hold at least one tile height, got ()")
+    for i, m in enumerate(sizes):
+        if not _is_int(m):
+            raise TypeError(f"TileTable.{name}[{i}] must be an int, got {m!r}")
+        if not 0 < m <= _INT32_MAX:
+            raise ValueError(f"TileTable.{name}[{i}] = {m}: heights must be positive")
+        if i and m <= sizes[i - 1]:
+            raise ValueError(
+                f"TileTable.{name} must be ascending, got {sizes} ({name}[{i}] = {m} after "
+                f"{sizes[i - 1]})"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +68,51 @@ class TileTable:
     wide_kv_len: int = 0
     narrow_m_sizes: tuple[int, ...] = ()
     narrow_traffic: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Checked here so that no planner sees a table it would divide by zero with or key
+        # wrongly (every way to make or change a table goes through this).
+        _check_heights("m_sizes", self.m_sizes, allow_empty=False)
+        _check_heights("narrow_m_sizes", self.narrow_m_sizes, allow_empty=True)
+        n_by = self.n_by_kv_len
+        if not isinstance(n_by, tuple) or not n_by:
+            raise ValueError(
+                f"TileTable.n_by_kv_len must be a non-empty tuple of (max_kv_len, n) pairs, "
+                f"got {n_by!r}"
+            )
+        for i, entry in enumerate(n_by):
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise TypeError(
+                    f"TileTable.n_by_kv_len[{i}] must be a (max_kv_len, n) pair, got {entry!r}"
+                )
+            bound, n = entry
+            if not _is_int(bound) or not _is_int(n):
+                raise TypeError(f"TileTable.n_by_kv_len[{i}] must hold two ints, got {entry!r}")
+            if not 0 <= bound < 2**63:
+                raise ValueError(
+                    f"TileTable.n_by_kv_len[{i}] has max_kv_len = {bound}, outside [0, 2**63)"
+                )
+            if not 1 <= n <= MAX_TILE_N:
+                raise ValueError(
+                    f"TileTable.n_by_kv_len[{i}] has KV tile size n = {n}, outside "
+                    f"[1, {MAX_TILE_N}]"
+                )
+            if i and bound < n_by[i - 1][0]:
+                raise ValueError(
+                    f"TileTable.n_by_kv_len bounds must be ascending, got {bound} after "
+                    f"{n_by[i - 1][0]} at entry {i}"
+                )
+        for name in ("wide_rows", "wide_kv_len"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise TypeError(f"TileTable.{name} must be an int, got {value!r}")
+            if not 0 <= value <= _INT32_MAX:
+                raise ValueError(f"TileTable.{name} must be in [0, {_INT32_MAX}], got {value}")
+        traffic = self.narrow_traffic
+        if isinstance(traffic, bool) or not isinstance(traffic, int | float):
+            raise TypeError(f"TileTable.narrow_traffic must be a number, got {traffic!r}")
+        if not (math.isfinite(traffic) and traffic >= 0):
+            raise ValueError(f"TileTable.narrow_traffic must be finite and >= 0, got {traffic}")
 
     def narrow(self) -> TileTable | None:
         """The table of the narrow alternative plan (``narrow_m_sizes``, no wide rule), or
