@@ -1,4 +1,4 @@
-"""The SGLang backend on CPU: SGLang 0.5.17's real memory pools and ForwardBatch, this backend
+"""The SGLang backend on CPU: SGLang's (0.5.17 through 0.5.23) real memory pools and ForwardBatch, this backend
 through SGLang's own ``AttentionBackend.forward`` dispatch, against plain attention.
 
 Batches imitate what the radix cache produces: requests that share a prefix have the same
@@ -25,7 +25,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.runtime_context import get_parallel
 
 from prefixattn import attention_reference
+from prefixattn.adapters.sglang import backend as sglang_backend
 from prefixattn.adapters.sglang.backend import PrefixAttnBackend
+from prefixattn.engine import step
+from prefixattn.engine.step import StepOptions
+from prefixattn.runtime import library
 
 DTYPE = torch.float32
 MAX_CONTEXT = 384
@@ -76,6 +80,7 @@ def _runner(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, ma
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
         use_mla_backend=False,
+        kv_index_translator=None,  # SGLang >= 0.5.19 reads it (HybridAttnBackend, ...)
     )
 
 
@@ -137,7 +142,7 @@ def _layer(layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> R
     )
 
 
-def check_against_reference(pool, layer, rows, seq_lens, q, out, qo_indptr=None) -> None:  # type: ignore[no-untyped-def]
+def check_against_reference(pool, layer, rows, seq_lens, q, out, qo_indptr=None) -> None:
     """``out`` equals plain attention over each request's KV gathered token by token from its
     ``req_to_token`` row (a page-size-1 view of the pool)."""
     heads, kv_heads, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
@@ -242,14 +247,16 @@ def _run_case(
     out_cache_loc = batch.out_cache_loc
 
     # Each case takes one planning path (both switches are on by default).
-    backend.unshared_plans = unshared
-    backend.hinted_plans = hint is not None
+    planner = backend.planner
+    planner.options.unshared_plans = unshared
+    planner.options.hinted_plans = hint is not None
     if unshared:  # the last batch looked at shared nothing: plan without the host copy
-        backend.probe.observe(np.arange(3))
+        planner.probe.observe(np.arange(3))
     if hint is not None:  # an earlier step's copy of the rows, right or in another order
         table, lens, _ = backend._batch_tables(batch)
-        backend.table_hint.observe(table if hint == "exact" else table[::-1], lens, page_size)
+        planner.table_hint.observe(table if hint == "exact" else table[::-1], lens, page_size)
     backend.init_forward_metadata(batch)
+    assert backend.forward_metadata is not None
     plan = backend.forward_metadata.plan
     if hint is not None:
         # Decode steps take the hint; other steps copy the rows (the hint is not used).
@@ -259,7 +266,7 @@ def _run_case(
             assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
     elif unshared:
         assert plan.packing == "per_query" and plan.max_page_id == -1
-        assert backend.probe.sharing is True  # this batch shares: the next step copies
+        assert planner.probe.sharing is True  # this batch shares: the next step copies
     else:
         # Shared prefixes are found: fewer distinct KV bytes than one read per request.
         assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
@@ -293,20 +300,54 @@ def test_hinted_plans_equal_plain_attention(page_size: int, mode: str, hint: str
     _run_case(page_size, mode, hint=hint)
 
 
-def test_hinted_plans_switch(monkeypatch: pytest.MonkeyPatch):
-    """On by default; PREFIXATTN_HINTED_PLANS=0 off."""
-    monkeypatch.delenv("PREFIXATTN_HINTED_PLANS", raising=False)
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is True
-    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).hinted_plans is False
+def test_step_options(monkeypatch: pytest.MonkeyPatch):
+    """Both fast paths on by default; off through the constructor or the process defaults
+    (:func:`prefixattn.engine.step.configure`, e.g. from a plugin in each scheduler)."""
+    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).planner.options == StepOptions()
+    off = StepOptions(hinted_plans=False, unshared_plans=False)
+    backend = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4), options=off)
+    assert backend.planner.options == off
+    monkeypatch.setattr(step, "_defaults", StepOptions())  # restored after the test
+    step.configure(hinted_plans=False)
+    options = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).planner.options
+    assert options == StepOptions(hinted_plans=False)
 
 
-def test_unshared_plans_switch(monkeypatch: pytest.MonkeyPatch):
-    """On by default; PREFIXATTN_UNSHARED_PLANS=0 off (every step copies the rows)."""
-    monkeypatch.delenv("PREFIXATTN_UNSHARED_PLANS", raising=False)
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is True
-    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
-    assert PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).unshared_plans is False
+@pytest.mark.parametrize("status", [True, False])
+def test_cuda_without_kernels_is_refused(monkeypatch: pytest.MonkeyPatch, status: bool):
+    """No silent PyTorch-reference path on a GPU: the backend refuses to start, saying why."""
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: False)
+    if status:
+        monkeypatch.setattr(library, "kernels_status", lambda: "not available: built CPU-only")
+    else:
+        monkeypatch.delattr(library, "kernels_status", raising=False)
+    runner = _runner(1, 8, 2, 64, max_reqs=2)
+    runner.device = "cuda"  # refused before anything is allocated on it
+    expected = "built CPU-only" if status else "was not found or could not be loaded"
+    with pytest.raises(RuntimeError, match=f"compiled CUDA kernels are not available.*{expected}"):
+        PrefixAttnBackend(runner)
+
+
+def test_refuses_the_metadata_glue_graph(monkeypatch: pytest.MonkeyPatch):
+    """SGLang 0.5.19+ can capture init_forward_metadata_out_graph into a graph and replay only
+    its device work: a host-built plan would then be replayed stale, so the backend refuses."""
+    monkeypatch.setattr(sglang_backend, "metadata_glue_graph_enabled", lambda: True)
+    with pytest.raises(ValueError, match=sglang_backend.GLUE_GRAPH_ENV):
+        PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=2))
+
+
+def test_reads_sglang_glue_graph_switch(monkeypatch: pytest.MonkeyPatch):
+    """The switch as SGLang itself reads it (from its environment registry)."""
+    envs = pytest.importorskip("sglang.srt.environ").envs
+    if getattr(envs, sglang_backend.GLUE_GRAPH_ENV, None) is None:
+        assert not sglang_backend.metadata_glue_graph_enabled()  # SGLang < 0.5.19: none
+        return
+    monkeypatch.setenv(sglang_backend.GLUE_GRAPH_ENV, "1")
+    assert sglang_backend.metadata_glue_graph_enabled()
+    with pytest.raises(ValueError, match=f"Unset {sglang_backend.GLUE_GRAPH_ENV}"):
+        PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=2))
+    monkeypatch.setenv(sglang_backend.GLUE_GRAPH_ENV, "0")
+    assert not sglang_backend.metadata_glue_graph_enabled()
 
 
 def test_mha_heads():
@@ -386,7 +427,12 @@ def test_decode_beside_another_prefill_backend():
     )
     runner.model_config.context_len = MAX_CONTEXT
     ours = PrefixAttnBackend(runner)
-    hybrid = HybridAttnBackend(runner, TorchNativeAttnBackend(runner), ours)
+    from sglang.srt.runtime_context import get_context
+
+    # SGLang >= 0.5.19 reads speculative settings from the published config, not
+    # runner.server_args.
+    with get_context().override_server_args(speculative_attention_mode="prefill"):
+        hybrid = HybridAttnBackend(runner, TorchNativeAttnBackend(runner), ours)
     pool, req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
     layers = [_layer(lid, num_heads, num_kv_heads, head_dim) for lid in range(2)]
 
@@ -402,7 +448,7 @@ def test_decode_beside_another_prefill_backend():
         k = torch.randn(len(cached), num_kv_heads, head_dim, generator=gen, dtype=DTYPE)
         pool.set_kv_buffer(layer, loc, k, torch.randn_like(k))
 
-    def step(mode, new, lens):  # type: ignore[no-untyped-def]
+    def step(mode, new, lens):
         rows_now = [req_to_token[i + 1, :s].tolist() for i, s in enumerate(lens)]
         batch = _forward_batch(mode, rows_now, new)
         n = sum(new)

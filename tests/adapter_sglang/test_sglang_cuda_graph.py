@@ -1,4 +1,4 @@
-"""Decode CUDA graphs, on CPU: the backend's graph hooks driven the way SGLang 0.5.17's decode
+"""Decode CUDA graphs, on CPU: the backend's graph hooks driven the way SGLang's decode
 graph runner drives them, with SGLang's own padding (its decode buffer registry and replay
 view), against plain attention.
 
@@ -12,6 +12,7 @@ registry refilled in place: the same tensors a replayed graph reads.
 
 from __future__ import annotations
 
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -35,10 +36,10 @@ from test_sglang_backend import (  # the autouse single-rank fixture comes along
     check_against_reference,
 )
 
-import prefixattn._ops
 from prefixattn import PrefixAttention
-from prefixattn.adapters import sglang_backend
+from prefixattn.adapters.sglang import backend as sglang_backend
 from prefixattn.adapters.sglang.backend import PrefixAttnBackend, graph_reservation
+from prefixattn.runtime import library
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 CAPTURE_BS = [4, 12]  # TREE has 8 requests: replayed padded to 12
@@ -82,6 +83,7 @@ def _capture(backend: PrefixAttnBackend, reg, layers, gen) -> dict[int, ForwardB
         fb = _static_batch(reg, bs)
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
         meta = backend.forward_metadata
+        assert meta is not None
         assert meta.core is backend.graph_core
         assert meta.plan.num_tokens == bs  # q of the captured graph has bs rows
         for layer in layers:
@@ -135,6 +137,7 @@ def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
     extend.extend_seq_lens = torch.ones(raw_bs, dtype=torch.int32)
     extend.extend_seq_lens_cpu = [1] * raw_bs
     backend.init_forward_metadata(extend)
+    assert backend.forward_metadata is not None
     assert backend.forward_metadata.core is backend.core
     assert backend.graph_core.last_plan is capture_plan
 
@@ -157,7 +160,11 @@ def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
         encoder_lens=None,
         mamba_track_indices=None,
     )
+    extra: dict[str, object] = {}
+    if "global_num_tokens_cpu" in inspect.signature(build_replay_fb_view).parameters:
+        extra["global_num_tokens_cpu"] = None  # SGLang >= 0.5.21 (no DP attention here)
     view = build_replay_fb_view(
+        **extra,
         forward_batch=real,
         buffers=buffers,
         bs=bs,
@@ -170,6 +177,7 @@ def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
     assert view.num_padding == bs - raw_bs
     backend.init_forward_metadata_out_graph(view)
     meta = backend.forward_metadata
+    assert meta is not None
     assert meta.core is backend.graph_core and meta.plan.num_tokens == bs
     assert meta.plan.distinct_kv_bytes < meta.plan.query_centric_kv_bytes  # sharing found
 
@@ -247,7 +255,7 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     [(core, sizes)] = calls
     assert core is backend.graph_core
     # The fallback of hinted plans is reserved (and launched by the graphs) when they are on.
-    assert sizes.pop("hinted") is backend.hinted_plans
+    assert sizes.pop("hinted") is backend.planner.options.hinted_plans
     assert sizes == graph_reservation(48, 48, MAX_CONTEXT, 16) == backend.graph_reserved
     assert backend.graph_buffers.captured_generation == backend.graph_core.buffers_generation
 
@@ -266,7 +274,7 @@ def test_cuda_graphs_need_a_graph_safe_core(monkeypatch):
 )
 def test_core_supports_cuda_graphs(monkeypatch, graph_safe, kernels, expected):
     monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", graph_safe, raising=False)
-    monkeypatch.setattr(prefixattn._ops, "cuda_ops_available", lambda: kernels)
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: kernels)
     assert sglang_backend.core_supports_cuda_graphs() is expected
 
 

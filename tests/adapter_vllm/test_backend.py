@@ -1,4 +1,4 @@
-"""The real vLLM 0.26 metadata -> the backend's builder -> impl.forward, on CPU tensors.
+"""The real vLLM (0.26 through 0.33) metadata -> the backend's builder -> impl.forward, on CPU tensors.
 
 Every batch is checked against plain causal attention (the core's ``attention_reference``) on
 the same paged cache. Batches are random forests of shared prefixes (prefix caching gives
@@ -22,13 +22,14 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from prefixattn import attention_reference
+from prefixattn import LaunchPlan, attention_reference
+from prefixattn.adapters.vllm import backend as vllm_backend
 from prefixattn.adapters.vllm.backend import (
     PrefixAttentionBackend,
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,
 )
-from prefixattn.plan import LaunchPlan
+from prefixattn.runtime import library
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
 
@@ -177,12 +178,12 @@ def test_builder_and_forward_match_plain_attention(
         _spec(dtype, block_size), ["layer.0"], vllm_config, torch.device("cpu")
     )
     if mode == "unshared":
-        builder.probe.observe(np.arange(3))
+        builder.planner.probe.observe(np.arange(3))
     if mode in ("hinted", "stale_hint"):
         hint = batch.block_table.numpy()
         if mode == "stale_hint":
             hint = hint[::-1].copy()  # rows in another order
-        builder.table_hint.observe(hint, batch.seq_lens.numpy(), block_size)
+        builder.planner.table_hint.observe(hint, batch.seq_lens.numpy(), block_size)
     metadata = builder.build(
         common_prefix_len=0, common_attn_metadata=batch.metadata(pad, host_lens=mode != "copy")
     )
@@ -245,17 +246,23 @@ def test_profiling_run_without_metadata(vllm_config: VllmConfig) -> None:
     assert torch.all(out == 0)
 
 
+def _options(monkeypatch: pytest.MonkeyPatch, config: VllmConfig, **options: object) -> None:
+    """StepOptions the way a vLLM user passes them: ``additional_config={"prefixattn": ...}``."""
+    monkeypatch.setattr(config, "additional_config", {vllm_backend.OPTIONS_KEY: options})
+
+
 def test_plans_follow_the_sharing_seen(
     vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step after one without shared blocks is planned from lengths alone; a step that then
     shows sharing switches the next one back to the prefix-aware plan."""
-    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")  # copies only (hinted plans: below)
+    _options(monkeypatch, vllm_config, hinted_plans=False)  # copies only (hinted plans: below)
     rng = torch.Generator().manual_seed(11)
     shared = Batch(rng, 16, 8, False)
     private = Batch(rng, 16, 8, False)
     private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    assert builder.planner.options.hinted_plans is False
     kinds = []
     for batch in (private, private, shared, shared, private, private):
         plan = builder.build(0, batch.metadata(host_lens=True)).plan
@@ -264,7 +271,7 @@ def test_plans_follow_the_sharing_seen(
     assert kinds == ["memory", "per_query", "per_query", "memory", "memory", "per_query"]
     # Without host lengths (speculative decoding) or with the switch off: always copied.
     assert builder.build(0, private.metadata()).plan.packing == "memory"
-    monkeypatch.setenv("PREFIXATTN_UNSHARED_PLANS", "0")
+    _options(monkeypatch, vllm_config, hinted_plans=False, unshared_plans=False)
     off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     for _ in range(2):
         assert off.build(0, private.metadata(host_lens=True)).plan.packing == "memory"
@@ -296,10 +303,27 @@ def test_steps_with_sharing_are_planned_from_an_earlier_table(
     assert kinds == [
         "copy", "hinted", "hinted-fallback", "unshared", "unshared", "hinted", "hinted-fallback"
     ]  # fmt: skip
-    monkeypatch.setenv("PREFIXATTN_HINTED_PLANS", "0")
+    assert builder.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
+    _options(monkeypatch, vllm_config, hinted_plans=False)
     off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     kinds = [_kind(off.build(0, shared.metadata(host_lens=True)).plan) for _ in range(3)]
     assert kinds == ["copy"] * 3
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"hinted_plans": "no"}, TypeError),
+        ({"graph_slots_per_token": 0}, ValueError),
+        ({"no_such_option": True}, AttributeError),
+    ],
+)
+def test_wrong_options_are_refused_at_construction(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch, options: dict, error: type
+) -> None:
+    _options(monkeypatch, vllm_config, **options)
+    with pytest.raises(error, match="StepOptions"):
+        PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
 
 
 def test_one_plan_per_step_shared_by_layers(vllm_config: VllmConfig) -> None:
@@ -324,10 +348,16 @@ def _reasons(**overrides: object) -> list[str]:
         attn_type=AttentionType.DECODER,
     )  # fmt: skip
     args.update(overrides)
-    return PrefixAttentionBackend.validate_configuration(**args)  # type: ignore[arg-type]
+    return PrefixAttentionBackend.validate_configuration(**args)
 
 
-def test_validate_configuration_accepts_supported() -> None:
+@pytest.fixture
+def kernels_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled CUDA kernels, as on a GPU machine with a CUDA build."""
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: True)
+
+
+def test_validate_configuration_accepts_supported(kernels_loaded: None) -> None:
     for head_size in (64, 128, 256):
         for dtype in (torch.float16, torch.bfloat16):
             for block_size in (1, 16, 32, 64, 128):
@@ -363,23 +393,44 @@ def test_impl_refuses_unsupported_features() -> None:
 
 
 def test_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefixattn import _ops
-
-    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: True)  # kernels for sm_90a
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: True)  # kernels for sm_90a
     assert _reasons() == []
     assert any(
         "compute capability" in r for r in _reasons(device_capability=DeviceCapability(8, 0))
     )
-    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: False)  # reference path only
-    assert _reasons(device_capability=DeviceCapability(8, 0)) == []
+
+
+@pytest.mark.parametrize("status", [True, False])
+def test_cuda_without_kernels_is_refused(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch, status: bool
+) -> None:
+    """No silent PyTorch-reference path on a GPU: vLLM is told why at backend selection, and
+    the builder and impl refuse to be built if reached anyway."""
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: False)
+    if status:  # the library's own reason, when it gives one
+        monkeypatch.setattr(library, "kernels_status", lambda: "not available: built CPU-only")
+    else:
+        monkeypatch.delattr(library, "kernels_status", raising=False)
+    expected = "built CPU-only" if status else "was not found or could not be loaded"
+    for cap in (CAP, DeviceCapability(8, 0)):
+        reasons = _reasons(device_capability=cap)
+        assert len(reasons) == 1 and "compiled CUDA kernels are not available" in reasons[0]
+        assert expected in reasons[0]
+    with pytest.raises(RuntimeError, match=expected):
+        PrefixAttentionMetadataBuilder(_spec(), ["l0"], vllm_config, torch.device("cuda"))
+    monkeypatch.setattr(vllm_backend, "_engine_on_cuda", lambda: True)
+    with pytest.raises(RuntimeError, match=expected):
+        PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, 0.125, NUM_KV_HEADS)
+    # A CPU engine runs the reference, as it always has.
+    monkeypatch.setattr(vllm_backend, "_engine_on_cuda", lambda: False)
+    PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, 0.125, NUM_KV_HEADS)
+    PrefixAttentionMetadataBuilder(_spec(), ["l0"], vllm_config, torch.device("cpu"))
 
 
 def test_builder_takes_its_layers_head_count(
     vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A group whose layers have another head count than the model (a draft model's).
-    from prefixattn.adapters import vllm_backend
-
     monkeypatch.setattr(vllm_backend, "get_num_attention_heads_from_layers", lambda c, n: 16)
     builder = PrefixAttentionMetadataBuilder(_spec(), ["draft.0"], vllm_config, torch.device("cpu"))
     assert builder.num_qo_heads == 16

@@ -1,4 +1,4 @@
-"""CUDA-graph support of the vLLM backend, on CPU tensors with vLLM 0.26's real classes.
+"""CUDA-graph support of the vLLM backend, on CPU tensors with vLLM's real classes.
 
 - the support level the builder declares, and what vLLM's own mode resolution makes of it;
 - a uniform decode batch padded the way vLLM pads it for a full CUDA graph (requests with no
@@ -9,7 +9,7 @@
 - the error raised when a plan outgrows the buffers that captured graphs read.
 
 Without a GPU, "graphs available" is simulated: ``PrefixAttention.cuda_graph_safe`` and
-``prefixattn._ops.cuda_ops_available`` are patched to True (the core then runs its PyTorch
+``prefixattn.runtime.library.cuda_ops_available`` are patched to True (the core then runs its PyTorch
 reference on the CPU tensors), and a capture is simulated by patching the backend's
 ``_capturing``.
 """
@@ -29,13 +29,14 @@ from vllm.config.compilation import CompilationMode
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from prefixattn import PrefixAttention, _ops, attention_reference
-from prefixattn.adapters import vllm_backend
+from prefixattn import PrefixAttention, attention_reference
+from prefixattn.adapters.vllm import backend as vllm_backend
 from prefixattn.adapters.vllm.backend import (
     PrefixAttentionBackend,
     PrefixAttentionImpl,
     PrefixAttentionMetadataBuilder,
 )
+from prefixattn.runtime import library
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
 MAX_CAPTURE = 24  # vLLM's max_cudagraph_capture_size in the graph config below
@@ -84,7 +85,7 @@ def eager_config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
 def graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """A core that declares itself graph-safe, with its CUDA kernels loaded."""
     monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", True, raising=False)
-    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: True)
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: True)
 
 
 def _spec(dtype: torch.dtype = torch.bfloat16, block_size: int = 16) -> FullAttentionSpec:
@@ -117,7 +118,7 @@ def test_declared_support_level(
         monkeypatch.delattr(PrefixAttention, "cuda_graph_safe", raising=False)
     else:
         monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", safe, raising=False)
-    monkeypatch.setattr(_ops, "cuda_ops_available", lambda: kernels)
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: kernels)
     got = PrefixAttentionMetadataBuilder.get_cudagraph_support(graph_config, _spec(dtype))
     assert got is expected
 
@@ -125,7 +126,7 @@ def test_declared_support_level(
 def test_support_level_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     # Even a graph-safe core reports NEVER where the CUDA kernels cannot run (this CPU host).
     monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", True, raising=False)
-    if _ops.cuda_ops_available():
+    if library.cuda_ops_available():
         pytest.skip("CUDA kernels available here")
     got = PrefixAttentionMetadataBuilder.get_cudagraph_support(None, _spec())
     assert got is AttentionCGSupport.NEVER
@@ -384,8 +385,9 @@ def test_reservation_for_largest_captured_batch(
 ) -> None:
     calls: list[dict] = []
     monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: calls.append(kw))
-    if slots_per_token is not None:
-        monkeypatch.setenv(vllm_backend.SLOTS_PER_TOKEN_ENV, str(slots_per_token))
+    if slots_per_token is not None:  # vLLM's own config carries the option to every worker
+        options = {vllm_backend.OPTIONS_KEY: {"graph_slots_per_token": slots_per_token}}
+        monkeypatch.setattr(graph_config, "additional_config", options)
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], graph_config, torch.device("cpu"))
     t = min(MAX_CAPTURE, graph_config.scheduler_config.max_num_seqs)
     assert builder.max_graph_tokens == t
@@ -502,7 +504,7 @@ def test_stale_graph_buffers_raise(
         builder.build(0, decode.metadata(pad_reqs=3, pad_tokens=3))
     message = str(err.value)
     assert "enforce_eager" in message and "PIECEWISE" in message
-    assert vllm_backend.SLOTS_PER_TOKEN_ENV in message
+    assert "graph_slots_per_token" in message
     # Batches that are never replayed from a full graph do not depend on those buffers.
     builder.build(0, Step(rng, 3, q_len=4).metadata())
 
@@ -525,7 +527,14 @@ def test_no_check_before_capture(
     builder, generation = _builder_with_generation(graph_config, monkeypatch, 0)
     builder.build(0, Step(rng, 5, q_len=1).metadata())
     generation[0] = 1  # growth before any graph exists is harmless
-    builder.build(0, Step(rng, 5, q_len=1).metadata())
+    step = Step(rng, 5, q_len=1)
+    metadata = builder.build(0, step.metadata())
+    assert builder.graph.captured_generation is None  # nothing captured, nothing checked
+    assert metadata.graph is builder.graph and metadata.attention is builder.attention
+    assert metadata.plan is builder.attention.last_plan and metadata.plan.num_tokens == 5
+    kv = _cache(rng)
+    query, out = _forward(metadata, kv, 5)
+    _check_real_rows(step, query, out, kv)
 
 
 def test_capturing_a_batch_outside_the_reserved_buffers_raises(

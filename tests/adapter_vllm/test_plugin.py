@@ -59,10 +59,10 @@ def test_importing_prefixattn_does_not_import_vllm() -> None:
 
 def test_matrix_models_are_valid_llama_configs() -> None:
     """Every head configuration of the integration matrix gives a config transformers takes."""
-    from conftest import INTEGRATION, load_script
     from transformers import LlamaConfig
 
-    m = load_script("run_matrix", INTEGRATION / "matrix" / "run_matrix.py")
+    from tools.matrix import run_matrix as m
+
     for heads in m.AXES["heads"]:
         for d in m.AXES["head_dim"]:
             cfg = LlamaConfig(**m.model_config(m.Cell("vllm", heads, d, "none", "off", 1)))

@@ -16,16 +16,27 @@ Worked example, page_size 4, two requests sharing their first 8 tokens::
 SGLang allocates whole pages per request, so a row's slots inside one page are consecutive
 and its first slot in each page is page-aligned.
 
-One plan per step (host work, one device-to-host copy of the batch's rows); every layer's
-``forward_*`` reuses it. Eager steps plan on :attr:`PrefixAttnBackend.core`; decode steps that
-SGLang runs as CUDA graphs plan on :attr:`PrefixAttnBackend.graph_core`, whose device buffers
-are reserved once for the largest captured batch, so an eager prefill never moves the
-buffers the captured kernels read.
+One plan per step; every layer's ``forward_*`` reuses it. Which plan method a step uses (from
+the device rows without waiting, or from a host copy of them) is decided by the core's
+:class:`~prefixattn.engine.step.StepPlanner`. Eager steps plan on
+:attr:`PrefixAttnBackend.core`; decode steps that SGLang runs as CUDA graphs plan on
+:attr:`PrefixAttnBackend.graph_core`, whose device buffers are reserved once for the largest
+captured batch, so an eager prefill never moves the buffers the captured kernels read.
+
+Works with SGLang 0.5.17 through 0.5.23. Refused at start-up: a CUDA device without the
+compiled CUDA kernels (attention would silently run on the PyTorch reference) and SGLang's
+metadata glue graph (``SGLANG_ENABLE_METADATA_GLUE_GRAPH``, 0.5.19+), which would capture the
+host-built plan of one step and replay it for later ones.
+
+Options (:class:`~prefixattn.engine.step.StepOptions`): SGLang has no per-backend settings, so
+the backend takes ``options`` as a constructor argument, default
+:func:`prefixattn.engine.step.default_options` (set them with
+:func:`prefixattn.engine.step.configure` in the scheduler processes, for example from a plugin
+of the ``sglang.srt.plugins`` group, which SGLang loads in each of them).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,19 +47,19 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 from torch.profiler import record_function
 
-from prefixattn import (
-    CapturedBuffers,
-    PrefixAttention,
-    SharingProbe,
-    TableHint,
-    decode_reservation,
+from prefixattn import CapturedBuffers, PrefixAttention, decode_reservation
+from prefixattn.engine.step import (
+    StepOptions,
+    StepPlanner,
+    cuda_graphs_available,
+    kernels_unavailable_reason,
 )
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from prefixattn.plan import LaunchPlan
+    from prefixattn import LaunchPlan
 
 
 def core_supports_cuda_graphs() -> bool:
@@ -60,22 +71,23 @@ def core_supports_cuda_graphs() -> bool:
     executes the PyTorch reference, which reads the plan on the host, or launches grids sized
     by the capture-time plan, which a replay would reuse for a different batch.
     """
-    if not getattr(PrefixAttention, "cuda_graph_safe", False):
+    return cuda_graphs_available()
+
+
+GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
+"""SGLang 0.5.19+: capture ``init_forward_metadata_out_graph`` into a CUDA graph and replay
+only its device work (refused: this backend's plan is host work of every step)."""
+
+
+def metadata_glue_graph_enabled() -> bool:
+    """Is SGLang's metadata glue graph switched on (False where SGLang has none)?"""
+    try:
+        from sglang.srt.environ import envs
+    except ImportError:
         return False
-    from prefixattn._ops import cuda_ops_available
+    flag = getattr(envs, GLUE_GRAPH_ENV, None)
+    return flag is not None and bool(flag.get())
 
-    return cuda_ops_available()
-
-
-UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
-"""Environment variable: ``0`` plans every step from a host copy of the batch's rows, also when
-the last batch looked at shared nothing (default ``1``: such steps use
-:meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
-
-HINTED_PLANS_ENV = "PREFIXATTN_HINTED_PLANS"
-"""Environment variable: ``0`` plans decode steps with sharing from a host copy of this step's
-rows (default ``1``: from an earlier step's copy, :meth:`PrefixAttention.plan_hinted`, checked
-on the device, so the copy of this step's rows never waits for the GPU)."""
 
 GRAPH_REMEDY = (
     "Restart with a smaller --cuda-graph-max-bs-decode or with --disable-decode-cuda-graph."
@@ -123,11 +135,20 @@ class PrefixAttnBackend(AttentionBackend):
     caps, cross attention, different K and V head sizes) with an error naming the layer.
     """
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: Any, options: StepOptions | None = None) -> None:
         super().__init__()
         config = model_runner.model_config
         tp = get_parallel().attn_tp_size
         self.device = torch.device(model_runner.device)
+        missing = kernels_unavailable_reason(self.device)
+        if missing is not None:
+            raise RuntimeError(missing)
+        if metadata_glue_graph_enabled():
+            raise ValueError(
+                f"prefixattn: {GLUE_GRAPH_ENV} is set, but this backend builds each step's plan "
+                "on the host: a glued metadata graph would replay the plan captured for an "
+                f"earlier step (wrong attention, silently). Unset {GLUE_GRAPH_ENV}."
+            )
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.page_size = int(model_runner.page_size)
@@ -152,21 +173,28 @@ class PrefixAttnBackend(AttentionBackend):
         server_args = getattr(model_runner, "server_args", None)
         if getattr(server_args, "dllm_algorithm", None) is not None:
             raise ValueError("prefixattn: diffusion language models are not supported")
-        self.core = self._new_core()
-        self.graph_core: PrefixAttention | None = None
-        """Plans of the decode steps SGLang runs as CUDA graphs (created by
-        :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
+        self.planner = StepPlanner(
+            self._new_core, self.page_size, options=options, remedy=GRAPH_REMEDY
+        )
+        """Which plan method each step uses, and the eager/graph pair of cores."""
         self.graph_reserved: dict[str, int] | None = None
         self.forward_metadata: ForwardMetadata | None = None
-        self.graph_buffers = CapturedBuffers(GRAPH_REMEDY)
+
+    @property
+    def core(self) -> PrefixAttention:
+        """Plans the eager steps."""
+        return self.planner.eager_attention
+
+    @property
+    def graph_core(self) -> PrefixAttention | None:
+        """Plans the decode steps SGLang runs as CUDA graphs (created by
+        :meth:`init_cuda_graph_state`); eager steps never touch its buffers."""
+        return self.planner.graph_attention
+
+    @property
+    def graph_buffers(self) -> CapturedBuffers:
         """The :attr:`graph_core` buffers the captured decode graphs read."""
-        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
-        """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
-        shared no slot (no host copy of the batch's rows, so no wait for the GPU)."""
-        self.probe = SharingProbe()
-        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "1") != "0"
-        """Plan decode steps from an earlier step's host copy of the batch's rows."""
-        self.table_hint = TableHint()
+        return self.planner.captured
 
     def _new_core(self) -> PrefixAttention:
         """A core for this model's attention shape and SGLang's NHD token-major KV pool."""
@@ -215,7 +243,7 @@ class PrefixAttnBackend(AttentionBackend):
                 "'breakable' backend, which runs attention outside the graph)"
             )
         meta = self._plan(core, forward_batch, capture=in_capture)
-        self.graph_buffers.check(core)
+        self.planner.check()
         self.forward_metadata = meta
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
@@ -227,47 +255,23 @@ class PrefixAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         # Graph replays pad the batch at its end (rows of request 0): leave those out.
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-        unshared = (
-            self.unshared_plans and not capture and real > 0 and not self.probe.expects_sharing()
+        choice = self.planner.choose(
+            real, decode=forward_batch.forward_mode.is_decode(), capture=capture
         )
-        hint = (
-            self.table_hint.take()
-            if not unshared
-            and self.hinted_plans
-            and not capture
-            and real > 0
-            and forward_batch.forward_mode.is_decode()
-            else None
-        )
-        if unshared or hint is not None:
-            # Plan from the host lengths, with the page ids gathered on the device (no wait),
-            # and look at this batch on the side.
+        if choice.device_table:
+            # The page ids are gathered on the device (no wait); the planner looks at this
+            # batch on the side.
             with record_function("prefixattn.plan"):
                 rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
-                if unshared:  # the last batch looked at shared no slot
-                    plan = core.plan_unshared(rows, seq_lens, qo_indptr)
-                else:
-                    # A decode step with sharing: the forest from an earlier step's copy of
-                    # the rows, checked on the device against this step's. Rows past the
-                    # real requests (graph padding) are unknown in the hint: an earlier,
-                    # larger batch left other requests' pages there.
-                    assert hint is not None
-                    plan = core.plan_hinted(rows, hint[:real], seq_lens, qo_indptr)
-            first = rows[:, 0]
-            self.probe.start(first, torch.arange(bs, device=first.device) < real)
-            if self.hinted_plans:  # this step's rows: a later step's hint once landed
-                self.table_hint.start(rows[:real], seq_lens[:real], self.page_size)
-            return ForwardMetadata(plan, plan.num_tokens, core)
-        # Named ranges for profiles (integration/trace_summary.py): the copy of the batch's
-        # rows to the host waits for the work queued before it.
-        with record_function("prefixattn.host_tables"):
-            block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
-        if real > 0:
-            self.probe.observe(block_table[:real, 0])
-            if self.hinted_plans:
-                self.table_hint.observe(block_table[:real], seq_lens[:real], self.page_size)
-        with record_function("prefixattn.plan"):
-            plan = core.plan(block_table, seq_lens, qo_indptr)
+            plan = self.planner.plan_device(core, choice, rows, seq_lens, qo_indptr, num_real=real)
+        else:
+            # Named ranges for profiles (tools' trace summary): the copy of the batch's rows
+            # to the host waits for the work queued before it.
+            with record_function("prefixattn.host_tables"):
+                block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
+            plan = self.planner.plan_host(
+                core, block_table, seq_lens, qo_indptr, num_real=real, capture=capture
+            )
         return ForwardMetadata(plan, plan.num_tokens, core)
 
     def _batch_tables(
@@ -327,13 +331,10 @@ class PrefixAttnBackend(AttentionBackend):
                 "launches); start SGLang with --disable-decode-cuda-graph (or "
                 "--disable-cuda-graph)"
             )
-        if self.graph_core is None:
-            self.graph_core = self._new_core()
         max_context = int(self.req_to_token_pool.req_to_token.shape[1])
-        self.graph_reserved = graph_reservation(max_bs, max_num_tokens, max_context, self.page_size)
-        self.graph_core.reserve(**self.graph_reserved, hinted=self.hinted_plans)
+        self.graph_reserved = self.planner.reserve_graphs(max_bs, max_num_tokens, max_context)
         self.graph_buffers.remedy = f"(Reserved: {self.graph_reserved}.) {GRAPH_REMEDY}"
-        self.graph_buffers.pin(self.graph_core)
+        self.planner.pin()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padding rows get KV length 1: SGLang points them at ``req_to_token`` row 0 (its

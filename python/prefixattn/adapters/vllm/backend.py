@@ -1,11 +1,13 @@
-"""vLLM 0.26 attention backend: vLLM's paged KV cache and batch metadata in, prefixattn out.
+"""vLLM attention backend (vLLM 0.26 through 0.33): vLLM's paged KV cache and batch metadata in,
+prefixattn out.
 
 Four parts, as vLLM's own backends have them:
 
 - :class:`PrefixAttentionBackend`: what the backend supports and how its KV cache is laid out.
 - :class:`PrefixAttentionMetadata`: the step's plan, shared by every layer.
-- :class:`PrefixAttentionMetadataBuilder`: one :meth:`PrefixAttention.plan` per step from
-  ``CommonAttentionMetadata``.
+- :class:`PrefixAttentionMetadataBuilder`: one plan per step from ``CommonAttentionMetadata``,
+  through the core's :class:`~prefixattn.engine.step.StepPlanner` (which plan method, the
+  graph/eager pair).
 - :class:`PrefixAttentionImpl`: writes new K/V into the cache and calls
   :meth:`PrefixAttention.run` per layer.
 
@@ -16,10 +18,20 @@ prefill and extend chunks, speculative verification with several query tokens) g
 same causal plan.
 
 KV cache: logical shape ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` with K in the
-first and V in the second half of the last dimension, stored block-major with tokens before
-heads (stride order ``(0, 2, 1, 3)``), i.e. in memory ``[num_blocks, block_size, num_kv_heads,
-2 * head_size]``. The K and V halves are NHD views with a contiguous last dimension, which the
-core reads in place.
+first and V in the second half of the last dimension. vLLM 0.26-0.28 ask the backend for it
+(``get_kv_cache_shape``, stride order ``(0, 2, 1, 3)``: in memory ``[num_blocks, block_size,
+num_kv_heads, 2 * head_size]``); vLLM 0.29+ resolve one ``KVCacheLayout`` for the model from
+what every backend supports (:meth:`PrefixAttentionBackend.supported_kv_cache_layouts`: tokens
+before heads first). The K and V halves are NHD views with a contiguous last dimension, which
+the core reads in place with any strides.
+
+Options (:class:`~prefixattn.engine.step.StepOptions`): vLLM's own
+``additional_config={"prefixattn": {"hinted_plans": False, ...}}`` (``--additional-config``),
+which reaches every worker process.
+
+Start-up: on a CUDA device without the compiled CUDA kernels the backend refuses to run
+(:meth:`PrefixAttentionBackend.validate_configuration` names the reason) rather than run the
+PyTorch reference.
 
 CUDA graphs: with the compiled CUDA kernels loaded and a core that declares
 ``PrefixAttention.cuda_graph_safe``, the builder reports ``AttentionCGSupport.UNIFORM_BATCH``
@@ -33,7 +45,8 @@ check.
 
 from __future__ import annotations
 
-import os
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,6 +54,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 from vllm.config import CUDAGraphMode
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -53,17 +67,25 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
-from prefixattn import (
-    CapturedBuffers,
-    PrefixAttention,
-    SharingProbe,
-    TableHint,
-    decode_reservation,
-    decode_slots_per_token,
+from prefixattn import CapturedBuffers, LaunchPlan, PrefixAttention, decode_slots_per_token
+from prefixattn.attention import DECODE_DEPTH_ALLOWANCE, MAX_PAGE_SIZE
+from prefixattn.engine.step import (
+    StepOptions,
+    StepPlanner,
+    cuda_graphs_available,
+    default_options,
+    kernels_unavailable_reason,
 )
-from prefixattn.api import DECODE_DEPTH_ALLOWANCE, MAX_PAGE_SIZE
-from prefixattn.plan import LaunchPlan
-from prefixattn.tiles import SUPPORTED_HEAD_DIMS
+from prefixattn.plan.tiles import SUPPORTED_HEAD_DIMS
+from prefixattn.runtime import library
+
+try:  # vLLM >= 0.29: one KV cache layout for the model, resolved across its backends
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+except ImportError:  # vLLM 0.26-0.28: get_kv_cache_shape / get_kv_cache_stride_order
+    KVCacheLayout = None
+
+OPTIONS_KEY = "prefixattn"
+"""Key of this backend's :class:`StepOptions` in vLLM's ``additional_config``."""
 
 
 class PrefixAttentionBackend(AttentionBackend):
@@ -106,10 +128,27 @@ class PrefixAttentionBackend(AttentionBackend):
         return (0, 2, 1, 3)
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
         # Any page size from 1 to MAX_PAGE_SIZE, listed one by one: a larger KV-manager block
-        # (hybrid models) is then split into the largest of them that divides it.
+        # (hybrid models) is then split into the largest of them that divides it. vLLM 0.32+
+        # pass the spec, earlier releases nothing.
         return list(range(MAX_PAGE_SIZE, 0, -1))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[Any, ...] | None:
+        """vLLM 0.29+: every per-layer cache is a logical ``(blocks, heads, tokens, 2 * D)``
+        view whose K/V halves the core reads with any strides. Tokens before heads (NHD)
+        first, the layout the kernels are tuned for; layer-outermost first, since only it lets
+        vLLM split a large KV-manager block into kernel blocks."""
+        if KVCacheLayout is None:
+            return None
+        return (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # Plans are built from query_start_loc_cpu: with device-trimmed drafts (adaptive
+        # verification, vLLM 0.28+) they would cover the wrong rows, so vLLM must refuse us.
+        return False
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -145,30 +184,28 @@ class PrefixAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
-        # The CUDA kernels are built for sm_90a; a build without them runs the PyTorch
-        # reference on any device.
+        # The CUDA kernels are built for sm_90a. Without them validate_configuration refuses
+        # CUDA devices for that reason instead.
         if capability is None or not _kernels_built():
             return True
         return (capability.major, capability.minor) == (9, 0)
+
+    @classmethod
+    def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
+        """vLLM's checks, plus: a CUDA device (vLLM passes its compute capability) needs the
+        compiled CUDA kernels."""
+        reasons = list(super().validate_configuration(*args, **kwargs))
+        bound = inspect.signature(super().validate_configuration).bind(*args, **kwargs)
+        if bound.arguments.get("device_capability") is not None:
+            missing = kernels_unavailable_reason("cuda")
+            if missing is not None:
+                reasons.append(missing)
+        return reasons
 
 
 NULL_BLOCK = 0
 """vLLM's null block (``NULL_BLOCK_ID``): never given to a request, always a valid page id.
 Padding tokens of a full-graph batch attend to its first slot."""
-
-UNSHARED_PLANS_ENV = "PREFIXATTN_UNSHARED_PLANS"
-"""Environment variable: ``0`` plans every step from a host copy of the block table, also when
-the last batch looked at shared nothing (default ``1``: such steps use
-:meth:`PrefixAttention.plan_unshared`, which needs no copy)."""
-
-HINTED_PLANS_ENV = "PREFIXATTN_HINTED_PLANS"
-"""Environment variable: ``0`` plans decode steps with sharing from a host copy of this step's
-block table (default ``1``: from an earlier step's copy, :meth:`PrefixAttention.plan_hinted`,
-checked on the device, so the copy never waits for the GPU)."""
-
-SLOTS_PER_TOKEN_ENV = "PREFIXATTN_VLLM_GRAPH_SLOTS_PER_TOKEN"
-"""Environment variable: (work item, token) slots reserved per captured token, overriding
-:func:`graph_slots_per_token`."""
 
 GRAPH_DEPTH_ALLOWANCE = DECODE_DEPTH_ALLOWANCE
 """Prefix levels per request that the CUDA-graph reservation allows for (the core's)."""
@@ -192,25 +229,31 @@ def graph_slots_per_token(max_context_len: int, max_reqs: int) -> int:
     return decode_slots_per_token(max_context_len, max_reqs)
 
 
-def cuda_graphs_available() -> bool:
-    """True when :meth:`PrefixAttention.run` may be captured in a CUDA graph here.
-
-    Both must hold: the core declares ``PrefixAttention.cuda_graph_safe`` (fixed-size launches
-    that read every size from the plan's device buffers while capturing) and the compiled CUDA
-    kernels are loaded (the PyTorch reference path is host-driven and cannot be captured).
-    """
-    if not getattr(PrefixAttention, "cuda_graph_safe", False):
-        return False
-    return _kernels_built()
-
-
 def _kernels_built() -> bool:
-    from prefixattn import _ops
-
     try:
-        return bool(_ops.cuda_ops_available())
+        return bool(library.cuda_ops_available())
     except (OSError, RuntimeError):
         return False
+
+
+def step_options(vllm_config: Any) -> StepOptions:
+    """The process defaults updated with ``additional_config["prefixattn"]`` (a mapping of
+    :class:`StepOptions` fields; unknown names and wrong values raise)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    ours = extra.get(OPTIONS_KEY) if isinstance(extra, Mapping) else None
+    if ours is None:
+        return default_options()
+    if not isinstance(ours, Mapping):
+        raise TypeError(
+            f"additional_config[{OPTIONS_KEY!r}] must be a mapping of StepOptions fields, "
+            f"got {ours!r}"
+        )
+    return default_options().updated(ours)
+
+
+def _engine_on_cuda() -> bool:
+    """Does vLLM run this process's model on a CUDA device?"""
+    return bool(current_platform.is_cuda_alike())
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -220,8 +263,8 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def _remedy(slots_per_token: int) -> str:
     return (
-        f"Reserve more (environment variable {SLOTS_PER_TOKEN_ENV}, now {slots_per_token}) "
-        "or run without full CUDA graphs: enforce_eager=True, or "
+        "Reserve more (additional_config={'prefixattn': {'graph_slots_per_token': S}}, now "
+        f"{slots_per_token}) or run without full CUDA graphs: enforce_eager=True, or "
         "compilation_config={'cudagraph_mode': 'PIECEWISE'}."
     )
 
@@ -255,7 +298,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
     vLLM gives none, ``seq_lens`` is copied from the device); the block table rows, which exist
     only on the device, so every step copies ``num_reqs`` rows (only the columns the longest
     sequence uses) to the host: one device-to-host copy per step, not per layer, and it waits
-    for the work queued before it.
+    for the work queued before it. :attr:`planner` (the core's
+    :class:`~prefixattn.engine.step.StepPlanner`) avoids that copy where it can: steps after
+    one without sharing, and decode steps with a host copy of an earlier step's table, are
+    planned from the device table (exact host lengths needed: not with speculative decoding).
 
     CUDA graphs (:meth:`get_cudagraph_support`): ``UNIFORM_BATCH`` when
     :func:`cuda_graphs_available`, else ``NEVER``. With full graphs on, the builder
@@ -264,7 +310,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
       ``PrefixAttention`` for the largest captured batch (``T`` tokens: vLLM's
       ``max_cudagraph_capture_size`` capped at ``max_num_seqs`` times the decode query length;
       ``S * T + 1024`` work items and query slots, ``S`` from :func:`graph_slots_per_token` or
-      ``SLOTS_PER_TOKEN_ENV``; every request's pages up to ``max_model_len``);
+      the ``graph_slots_per_token`` option; every request's pages up to ``max_model_len``);
     - plans graph-eligible batches (at most ``T`` tokens, no request with more new tokens than
       a decode or speculative verification has) into those buffers, covering all
       ``num_actual_tokens`` rows: vLLM pads a full-graph batch with requests that have no new
@@ -313,9 +359,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_dim = kv_cache_spec.head_size
         self.block_size = kv_cache_spec.block_size
-        self.attention = self._new_attention()
-        """Plans every batch; with full graphs on, only graph-eligible ones (fixed buffers)."""
-        self._eager_attention: PrefixAttention | None = None
+        missing = kernels_unavailable_reason(device)
+        if missing is not None:
+            raise RuntimeError(missing)
 
         spec = getattr(vllm_config, "speculative_config", None)
         k = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
@@ -337,25 +383,38 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         max_capture = compilation.max_cudagraph_capture_size or max_decode_tokens
         self.max_graph_tokens = min(max_capture, max_decode_tokens)
         """``T``: tokens of the largest batch vLLM may replay from a full graph."""
-        env = os.environ.get(SLOTS_PER_TOKEN_ENV)
         self.max_model_len = model_config.max_model_len
-        self.slots_per_token = (
-            int(env) if env else graph_slots_per_token(self.max_model_len, self.max_graph_tokens)
+        options = step_options(vllm_config)
+        self.slots_per_token = options.graph_slots_per_token or graph_slots_per_token(
+            self.max_model_len, self.max_graph_tokens
         )
         """``S``: (work item, token) slots reserved per token of the largest graph."""
-        self.graph = CapturedBuffers(_remedy(self.slots_per_token))
-        self.hinted_plans = os.environ.get(HINTED_PLANS_ENV, "1") != "0"
-        """Plan decode steps from an earlier step's host copy of the block table
-        (:meth:`PrefixAttention.plan_hinted`) instead of waiting for this step's."""
-        self.table_hint = TableHint()
-        self.plan_kinds = {"copy": 0, "unshared": 0, "hinted": 0}
-        """Steps planned from a host copy of their table, from lengths alone, from a hint."""
+        self.planner = StepPlanner(
+            self._new_attention,
+            self.block_size,
+            options=options,
+            remedy=_remedy(self.slots_per_token),
+        )
+        """Which plan method each step uses, and the graph/eager pair of planners."""
         if self.full_graphs:
             self.reserve_for_graphs()
-        self.unshared_plans = os.environ.get(UNSHARED_PLANS_ENV, "1") != "0"
-        """Plan steps with :meth:`PrefixAttention.plan_unshared` while the last batch looked at
-        shared no block (no host copy of the block table, so no wait for the GPU)."""
-        self.probe = SharingProbe()
+
+    @property
+    def attention(self) -> PrefixAttention:
+        """Plans every batch; with full graphs on, only graph-eligible ones (fixed buffers)."""
+        if self.full_graphs:
+            return self.planner.attention_for(graph=True)
+        return self.planner.eager_attention
+
+    @property
+    def graph(self) -> CapturedBuffers:
+        """Guards the buffers that captured full graphs read."""
+        return self.planner.captured
+
+    @property
+    def plan_kinds(self) -> dict[str, int]:
+        """Steps planned from a host copy of their table, from lengths alone, from a hint."""
+        return self.planner.plan_kinds
 
     def _new_attention(self) -> PrefixAttention:
         return PrefixAttention(
@@ -369,15 +428,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         )
 
     def reserve_for_graphs(self) -> None:
-        """Size ``self.attention``'s buffers for every plan of ``max_graph_tokens`` tokens."""
+        """Size the graph planner's buffers for every plan of ``max_graph_tokens`` tokens."""
         # A graph batch holds at most T requests (real or padding), one token each.
         t = self.max_graph_tokens
-        self.attention.reserve(
-            **decode_reservation(
-                t, t, self.max_model_len, self.block_size, slots_per_token=self.slots_per_token
-            ),
-            hinted=self.hinted_plans,
-        )
+        self.planner.reserve_graphs(t, t, self.max_model_len)
 
     # ------------------------------------------------------------------ build
     def build(
@@ -413,80 +467,49 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         n_real = int(qsl[b])
         max_q = int(q_lens[:b].max(initial=0))
         eligible = self.graph_eligible(cm.num_actual_tokens, max_q)
-        if eligible:
-            attention, graph = self.attention, self.graph
-            num_tokens = max(cm.num_actual_tokens, n_real)
-        elif self.full_graphs:
-            if self._eager_attention is None:
-                self._eager_attention = self._new_attention()
-            attention, graph, num_tokens = self._eager_attention, None, n_real
-        else:
-            attention, graph, num_tokens = self.attention, None, n_real
-
+        attention = self.planner.attention_for(graph=eligible)
+        num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
         pad = num_tokens - n_real
         host_lens = cm.seq_lens_cpu_upper_bound
         # Plans that read page ids from the device table need exact host lengths.
-        device_table = (
-            not capture
-            and b > 0
-            and self.exact_host_seq_lens
+        choice = self.planner.choose(
+            b,
+            decode=max_q <= 1,
+            capture=capture,
+            device_table=self.exact_host_seq_lens
             and host_lens is not None
-            and cm.block_table_tensor.dtype == torch.int32
+            and cm.block_table_tensor.dtype == torch.int32,
         )
-        hint = self.table_hint.take() if device_table and self.hinted_plans and max_q <= 1 else None
-        unshared = device_table and self.unshared_plans and not self.probe.expects_sharing()
-        if unshared or hint is not None:
-            # Plan from the host lengths, with the page ids gathered from the device table (no
-            # wait), and look at this batch on the side.
+        if choice.device_table:
             assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
-            # Padding tokens read one slot of row 0's first block.
+            # Padding tokens read one slot of row 0's first block, and take no part in its
+            # prefix (private).
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
-            with record_function("prefixattn.plan"):
-                if unshared:  # the last batch looked at shared no block
-                    plan = attention.plan_unshared(cm.block_table_tensor, lens, indptr, rows=rows)
-                else:
-                    # A decode step with sharing: the forest from an earlier step's copy of
-                    # the table, checked on the device against this step's. Padding requests
-                    # read row 0 but take no part in its prefix.
-                    private = np.arange(b + pad) >= b
-                    assert hint is not None
-                    plan = attention.plan_hinted(
-                        cm.block_table_tensor, hint, lens, indptr, rows=rows, private=private
-                    )
-            self.plan_kinds["unshared" if unshared else "hinted"] += 1
-            self.probe.start(cm.block_table_tensor[:b, 0])
-            if self.hinted_plans:
-                # This step's rows become a later step's hint once their copy lands.
-                self.table_hint.start(
-                    cm.block_table_tensor[:b, : self._columns(cm)], host_lens[:b].numpy(),
-                    self.block_size,
-                )  # fmt: skip
+            plan = self.planner.plan_device(
+                attention, choice, cm.block_table_tensor[:b], lens, indptr, num_real=b,
+                rows=rows, private=np.arange(b + pad) >= b, columns=self._columns(cm),
+            )  # fmt: skip
         else:
-            # Named ranges for profiles (integration/trace_summary.py): the copy of the block
-            # table to the host waits for the work queued before it.
+            # Named ranges for profiles (tools' trace summary): the copy of the block table to
+            # the host waits for the work queued before it.
             with record_function("prefixattn.host_tables"):
                 table, lens = self._host_table_and_lens(cm, b)
-            if b:
-                self.probe.observe(table[:, 0])
-                if self.hinted_plans:
-                    self.table_hint.observe(table, lens, self.block_size)
             lens, indptr = _with_padding(lens, qsl, b, pad)
             # Padding requests attend to the null block.
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
-            with record_function("prefixattn.plan"):
-                plan = attention.plan(table, lens, indptr)
-            if not capture:
-                self.plan_kinds["copy"] += 1
-        if graph is not None and not capture:
-            graph.check(attention)
+            plan = self.planner.plan_host(
+                attention, table, lens, indptr, num_real=b, capture=capture
+            )
+        if eligible and not capture:
+            self.planner.check()
         return PrefixAttentionMetadata(
             attention=attention,
             plan=plan,
             num_tokens=num_tokens,
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
-            graph=graph,
+            graph=self.planner.captured if eligible else None,
         )
 
     def _columns(self, cm: CommonAttentionMetadata) -> int:
@@ -545,6 +568,10 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
             raise NotImplementedError(
                 "prefixattn backend does not support: " + ", ".join(unsupported)
             )
+        if _engine_on_cuda():
+            missing = kernels_unavailable_reason("cuda")
+            if missing is not None:
+                raise RuntimeError(missing)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

@@ -1,0 +1,380 @@
+"""The per-step planning policy every engine adapter shares.
+
+An engine adapter translates its engine's batch metadata into calls of :class:`StepPlanner`;
+the planner decides how the step is planned and keeps the state that decision needs:
+
+- **Which plan method.** :meth:`PrefixAttention.plan_unshared` while the latest batch looked
+  at shared no page (no host copy of the block table, so no wait for the GPU);
+  :meth:`PrefixAttention.plan_hinted` for decode steps with sharing, from an earlier step's
+  host copy of the table (:class:`TableHint`, checked on the device); otherwise
+  :meth:`PrefixAttention.plan` from a host copy of this step's table, which also updates the
+  :class:`SharingProbe` verdict and the hint. Each choice is correct for any batch; the state
+  only decides how fast the step is planned.
+- **Padding.** Requests past ``num_real`` are the engine's padding (CUDA-graph batches): the
+  probe and the hint look at the real requests only.
+- **Graph and eager objects.** Steps that may be replayed from a captured CUDA graph are
+  planned by :attr:`StepPlanner.graph_attention`, whose buffers are reserved before capture
+  (:meth:`StepPlanner.reserve_graphs`) and guarded by :attr:`StepPlanner.captured`; every
+  other step by :attr:`StepPlanner.eager_attention`, so its plans never move those buffers.
+- **Capability probes.** :func:`cuda_graphs_available` and :func:`kernels_unavailable_reason`.
+
+:class:`StepOptions` holds the switches. Defaults: both fast paths on, the graph reservation
+of :func:`~prefixattn.decode_reservation`. An adapter takes them from its engine's own
+configuration where it has one (vLLM: ``additional_config={"prefixattn": {...}}``) or as a
+constructor argument; otherwise from the process-wide defaults set by :func:`configure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from ..attention import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
+from ..plan.types import LaunchPlan
+from ..runtime import library
+from .sharing import SharingProbe, TableHint
+
+__all__ = [
+    "StepChoice",
+    "StepOptions",
+    "StepPlanner",
+    "configure",
+    "cuda_graphs_available",
+    "default_options",
+    "kernels_unavailable_reason",
+]
+
+StepKind = Literal["copy", "unshared", "hinted"]
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"StepOptions.{name} must be a bool, got {value!r}")
+
+
+def _check_slots(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"StepOptions.{name} must be None or an int, got {value!r}")
+    if not 1 <= value <= 2**20:
+        raise ValueError(f"StepOptions.{name} must be in [1, {2**20}], got {value}")
+
+
+@dataclasses.dataclass(eq=True, repr=True)
+class StepOptions:
+    """How :class:`StepPlanner` plans steps; every field is checked when it is set."""
+
+    unshared_plans: bool = True
+    """Plan steps with :meth:`PrefixAttention.plan_unshared` while the latest batch looked at
+    shared no page. False: such steps copy the block table to the host (:meth:`plan`)."""
+
+    hinted_plans: bool = True
+    """Plan decode steps with sharing with :meth:`PrefixAttention.plan_hinted` from an earlier
+    step's host copy of the table. False: they copy this step's table (:meth:`plan`)."""
+
+    graph_slots_per_token: int | None = None
+    """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
+    core's :func:`~prefixattn.decode_slots_per_token` for the engine's context length."""
+
+    _CHECKS: ClassVar[dict[str, Callable[[str, Any], None]]] = {
+        "unshared_plans": _check_bool,
+        "hinted_plans": _check_bool,
+        "graph_slots_per_token": _check_slots,
+    }
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = self._CHECKS.get(name)
+        if check is None:
+            raise AttributeError(
+                f"StepOptions has no option {name!r}; options: " + ", ".join(self._CHECKS)
+            )
+        check(name, value)
+        object.__setattr__(self, name, value)
+
+    def updated(self, changes: Mapping[str, Any]) -> StepOptions:
+        """A copy with ``changes`` applied (each checked; an unknown name raises)."""
+        new = dataclasses.replace(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
+
+
+_defaults = StepOptions()
+
+
+def configure(**changes: Any) -> StepOptions:
+    """Set process-wide defaults for the :class:`StepPlanner` objects created afterwards, e.g.
+    ``configure(hinted_plans=False)``; returns the new defaults. Engines that start worker
+    processes need this in each of them (for example in a plugin that the engine loads in
+    every process); vLLM users set ``additional_config={"prefixattn": {...}}`` instead."""
+    global _defaults
+    _defaults = _defaults.updated(changes)
+    return default_options()
+
+
+def default_options() -> StepOptions:
+    """A copy of the process-wide defaults."""
+    return dataclasses.replace(_defaults)
+
+
+# ------------------------------------------------------------------ capability probes
+def _kernels_loaded() -> bool:
+    try:
+        return bool(library.cuda_ops_available())
+    except (OSError, RuntimeError):
+        return False
+
+
+def cuda_graphs_available() -> bool:
+    """True when :meth:`PrefixAttention.run` may be captured in a CUDA graph here and replayed
+    with later plans.
+
+    Both must hold: the core declares ``PrefixAttention.cuda_graph_safe`` (fixed-size launches
+    that read every size from the plan's device buffers while capturing) and the compiled CUDA
+    kernels are loaded (the PyTorch reference path is host-driven and cannot be captured).
+    """
+    if not getattr(PrefixAttention, "cuda_graph_safe", False):
+        return False
+    return _kernels_loaded()
+
+
+def kernels_unavailable_reason(device: torch.device | str | None) -> str | None:
+    """None when ``device`` is not a CUDA device or the compiled CUDA kernels are loaded;
+    otherwise why an engine must not start: attention would run on the PyTorch reference,
+    orders of magnitude slower, with nothing else telling the user."""
+    if device is None or torch.device(device).type != "cuda" or _kernels_loaded():
+        return None
+    status = getattr(library, "kernels_status", None)
+    detail: str | None = None
+    if callable(status):
+        try:
+            detail = str(status()).removeprefix("not available: ")
+        except Exception as e:  # the probe's own failure is the best reason there is
+            detail = f"{type(e).__name__}: {e}"
+    if not detail:
+        detail = (
+            "the prefixattn library with CUDA kernels was not found or could not be loaded "
+            f"(torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})"
+        )
+    return (
+        f"prefixattn: the compiled CUDA kernels are not available: {detail}. Without them "
+        "attention would run on the slow PyTorch reference (`prefixattn info` shows what was "
+        "found)."
+    )
+
+
+# ------------------------------------------------------------------ the planner
+@dataclasses.dataclass(frozen=True)
+class StepChoice:
+    """How one step is planned (:meth:`StepPlanner.choose`)."""
+
+    kind: StepKind
+    """``"copy"``: :meth:`PrefixAttention.plan` from a host copy of the table;
+    ``"unshared"`` / ``"hinted"``: from the device table, no wait."""
+    hint: np.ndarray | None = None
+    """The host table of an earlier step (``"hinted"`` only)."""
+
+    @property
+    def device_table(self) -> bool:
+        """Does the step read its page ids from the device table (no host copy)?"""
+        return self.kind != "copy"
+
+
+class StepPlanner:
+    """One engine's per-step planning state: the plan method of each step, the sharing probe
+    and table hint that decide it, and the graph/eager :class:`PrefixAttention` pair.
+
+    ``new_attention`` makes a :class:`PrefixAttention` for the engine's attention shape, KV
+    layout and device (called at most twice: the eager object, then the graph one).
+    ``page_size`` is the block size of the tables passed in. ``remedy`` ends the errors of
+    :attr:`captured` (what the engine's user can change). ``options``: :class:`StepOptions`,
+    default :func:`default_options`.
+
+    A step::
+
+        choice = planner.choose(num_real, decode=..., capture=..., device_table=...)
+        attention = planner.attention_for(graph=...)
+        if choice.device_table:
+            plan = planner.plan_device(attention, choice, device_table, seq_lens, qo_indptr,
+                                       num_real=num_real)
+        else:
+            plan = planner.plan_host(attention, host_table, seq_lens, qo_indptr,
+                                     num_real=num_real)
+        if graph: planner.check()
+    """
+
+    def __init__(
+        self,
+        new_attention: Callable[[], PrefixAttention],
+        page_size: int,
+        *,
+        options: StepOptions | None = None,
+        remedy: str = "",
+    ) -> None:
+        self._new_attention = new_attention
+        self.page_size = int(page_size)
+        self.options = default_options() if options is None else options.updated({})
+        self.probe = SharingProbe()
+        self.table_hint = TableHint()
+        self.captured = CapturedBuffers(remedy)
+        """Guards the buffers of :attr:`graph_attention` that captured graphs read."""
+        self.plan_kinds: dict[str, int] = {"copy": 0, "unshared": 0, "hinted": 0}
+        """Steps planned from a host copy of their table, from lengths alone, from a hint
+        (capture batches are not counted)."""
+        self.graph_attention: PrefixAttention | None = None
+        """Plans the steps that may be replayed from captured graphs (:meth:`reserve_graphs`
+        creates it)."""
+        self._eager: PrefixAttention | None = None
+
+    # ---------------------------------------------------------------- the pair
+    @property
+    def eager_attention(self) -> PrefixAttention:
+        """Plans every step that is not replayed from a captured graph (created on first
+        use)."""
+        if self._eager is None:
+            self._eager = self._new_attention()
+        return self._eager
+
+    def attention_for(self, graph: bool) -> PrefixAttention:
+        """The object that plans a step: :attr:`graph_attention` for a step that may be
+        replayed from a captured graph, else :attr:`eager_attention`."""
+        if not graph:
+            return self.eager_attention
+        if self.graph_attention is None:
+            raise RuntimeError("prefixattn: a graph step before StepPlanner.reserve_graphs")
+        return self.graph_attention
+
+    def slots_per_token(self, max_context_len: int, max_requests: int) -> int:
+        """(work item, token) slots reserved per graph token: the option, else the core's
+        :func:`~prefixattn.decode_slots_per_token`."""
+        override = self.options.graph_slots_per_token
+        if override is not None:
+            return override
+        return decode_slots_per_token(max_context_len, max_requests)
+
+    def reserve_graphs(
+        self, max_requests: int, max_tokens: int, max_context_len: int
+    ) -> dict[str, int]:
+        """Create :attr:`graph_attention` (once) and reserve its buffers for every decode
+        batch of up to ``max_requests`` requests and ``max_tokens`` tokens with KV lengths up
+        to ``max_context_len`` (:func:`~prefixattn.decode_reservation`); with hinted plans on,
+        the fallback's buffers too, so captured graphs launch it. Returns the sizes."""
+        if self.graph_attention is None:
+            self.graph_attention = self._new_attention()
+        sizes = decode_reservation(
+            max_requests,
+            max_tokens,
+            max_context_len,
+            self.page_size,
+            slots_per_token=self.slots_per_token(max_context_len, max_requests),
+        )
+        self.graph_attention.reserve(**sizes, hinted=self.options.hinted_plans)
+        return sizes
+
+    def pin(self) -> None:
+        """Record (or verify) the generation of :attr:`graph_attention`'s buffers: at capture."""
+        self.captured.pin(self.attention_for(graph=True))
+
+    def check(self) -> None:
+        """Raise if a graph step's plan moved the buffers captured graphs read."""
+        self.captured.check(self.attention_for(graph=True))
+
+    # ---------------------------------------------------------------- the policy
+    def choose(
+        self, num_real: int, *, decode: bool, capture: bool = False, device_table: bool = True
+    ) -> StepChoice:
+        """How to plan a step of ``num_real`` real requests.
+
+        decode: at most one new token per request (hinted plans need it). capture: the
+        engine's CUDA-graph capture batch (always copied). device_table: the engine can give
+        the device table (int32) with exact host lengths (False: always copy).
+        """
+        if not device_table or capture or num_real <= 0:
+            return StepChoice("copy")
+        if self.options.unshared_plans and not self.probe.expects_sharing():
+            return StepChoice("unshared")
+        if self.options.hinted_plans and decode:
+            hint = self.table_hint.take()
+            if hint is not None:
+                return StepChoice("hinted", hint)
+        return StepChoice("copy")
+
+    def plan_device(
+        self,
+        attention: PrefixAttention,
+        choice: StepChoice,
+        table: torch.Tensor,
+        seq_lens: np.ndarray,
+        qo_indptr: np.ndarray | None = None,
+        *,
+        num_real: int,
+        rows: np.ndarray | None = None,
+        private: np.ndarray | None = None,
+        columns: int | None = None,
+    ) -> LaunchPlan:
+        """Plan a step chosen ``"unshared"`` or ``"hinted"`` from the device ``table`` (int32,
+        rows ``:num_real`` the real requests', later rows the engine's padding rows if any),
+        then look at the batch on the side: its first pages for the probe, its rows
+        (``columns`` of them, default all) as a later step's hint.
+
+        ``seq_lens`` / ``qo_indptr`` (host) cover every planned request, padding included.
+        ``rows`` / ``private`` are passed to :meth:`PrefixAttention.plan_unshared` /
+        :meth:`~PrefixAttention.plan_hinted`: with ``rows`` the engine says which row each
+        request reads (padding requests may read a real row, marked ``private``) and the hint
+        is used whole; without, request b reads row b, so the hint's rows past ``num_real``
+        are dropped (they describe another batch's requests, not this step's padding rows).
+        """
+        with record_function("prefixattn.plan"):
+            if choice.kind == "unshared":
+                plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
+            elif choice.kind == "hinted":
+                assert choice.hint is not None
+                hint = choice.hint
+                if rows is None:
+                    # Requests past num_real read the engine's padding rows, whose entries in
+                    # the hint (an earlier, larger batch's rows) are stale: unknown.
+                    hint = hint[:num_real]
+                plan = attention.plan_hinted(
+                    table, hint, seq_lens, qo_indptr, rows=rows, private=private
+                )
+            else:
+                raise ValueError(f"plan_device plans unshared or hinted steps, not {choice.kind}")
+        self.plan_kinds[choice.kind] += 1
+        first = table[:, 0]
+        real = None
+        if table.shape[0] > num_real:  # padding rows of the engine's table: left out
+            real = torch.arange(table.shape[0], device=first.device) < num_real
+        self.probe.start(first, real)
+        if self.options.hinted_plans:  # this step's rows: a later step's hint once landed
+            real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
+            self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size)
+        return plan
+
+    def plan_host(
+        self,
+        attention: PrefixAttention,
+        table: np.ndarray,
+        seq_lens: np.ndarray,
+        qo_indptr: np.ndarray | None = None,
+        *,
+        num_real: int,
+        capture: bool = False,
+    ) -> LaunchPlan:
+        """Plan a step chosen ``"copy"`` with :meth:`PrefixAttention.plan` from the host
+        ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
+        recording its sharing and its rows as a later step's hint."""
+        if num_real > 0:
+            self.probe.observe(table[:num_real, 0])
+            if self.options.hinted_plans:
+                self.table_hint.observe(table[:num_real], seq_lens[:num_real], self.page_size)
+        with record_function("prefixattn.plan"):
+            plan = attention.plan(table, seq_lens, qo_indptr)
+        if not capture:
+            self.plan_kinds["copy"] += 1
+        return plan

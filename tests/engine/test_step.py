@@ -1,0 +1,277 @@
+"""StepPlanner on CPU: the plan method chosen for sequences of batches, padding rows, the
+graph/eager pair, options and the capability probes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefixattn import LaunchPlan, PrefixAttention
+from prefixattn.engine import step
+from prefixattn.engine.step import StepOptions, StepPlanner
+from prefixattn.runtime import library
+
+PAGE = 4
+
+
+def _attention() -> PrefixAttention:
+    return PrefixAttention(4, 2, 64, PAGE, kv_layout="NHD", device="cpu", dtype=torch.float32)
+
+
+def _planner(**options: object) -> StepPlanner:
+    return StepPlanner(_attention, PAGE, options=StepOptions(**options), remedy="Do X.")  # type: ignore[arg-type]
+
+
+class Batch:
+    """Rows of a block table (page ids), decode lengths, and ``pad`` padding rows of the
+    engine's own after them (one token each on page 0, as SGLang pads graph batches)."""
+
+    def __init__(self, rows: list[list[int]], pad: int = 0, new_tokens: int = 1) -> None:
+        self.num_real = len(rows)
+        width = max(len(r) for r in rows) + 1
+        table = np.zeros((len(rows) + pad, width), np.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        self.table = table
+        lens = [len(r) * PAGE - 1 for r in rows] + [1] * pad
+        self.seq_lens = np.asarray(lens, np.int32)
+        q = [new_tokens] * len(rows) + [1] * pad
+        self.qo_indptr = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        self.decode = new_tokens == 1
+
+
+SHARED = Batch([[1, 2, 10], [1, 2, 11], [1, 3, 12], [4, 13]])
+PRIVATE = Batch([[20, 21], [22, 23], [24, 25], [26, 27]])
+
+
+def kind(plan: LaunchPlan) -> str:
+    if plan.fallback is None:
+        return "copy" if plan.max_page_id >= 0 else "unshared"
+    return "hinted-fallback" if bool(plan.fallback_taken) else "hinted"
+
+
+def run_step(
+    planner: StepPlanner,
+    batch: Batch,
+    *,
+    capture: bool = False,
+    graph: bool = False,
+    device_table: bool = True,
+) -> LaunchPlan:
+    """What an adapter does for one step."""
+    choice = planner.choose(
+        batch.num_real, decode=batch.decode, capture=capture, device_table=device_table
+    )
+    attention = planner.attention_for(graph=graph)
+    if choice.device_table:
+        plan = planner.plan_device(
+            attention,
+            choice,
+            torch.from_numpy(batch.table),
+            batch.seq_lens,
+            batch.qo_indptr,
+            num_real=batch.num_real,
+        )
+    else:
+        plan = planner.plan_host(
+            attention,
+            batch.table,
+            batch.seq_lens,
+            batch.qo_indptr,
+            num_real=batch.num_real,
+            capture=capture,
+        )
+    if graph and not capture:
+        planner.check()
+    return plan
+
+
+def test_plan_methods_follow_the_batches_seen() -> None:
+    """1: nothing seen yet (copy); 2: hint from 1; 3: the shared table's hint for a private
+    batch (caught on the device); 4: no sharing seen: unshared; 5: unshared, shows sharing;
+    6: hint from 5's table; 7: hint caught."""
+    planner = _planner()
+    seq = [SHARED, SHARED, PRIVATE, PRIVATE, SHARED, SHARED, PRIVATE]
+    kinds = [kind(run_step(planner, b)) for b in seq]
+    assert kinds == [
+        "copy", "hinted", "hinted-fallback", "unshared", "unshared", "hinted", "hinted-fallback"
+    ]  # fmt: skip
+    assert planner.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
+
+
+def test_no_sharing_gives_unshared_plans() -> None:
+    planner = _planner()
+    assert kind(run_step(planner, PRIVATE)) == "copy"  # nothing seen yet
+    assert planner.probe.sharing is False
+    for _ in range(3):
+        plan = run_step(planner, PRIVATE)
+        assert kind(plan) == "unshared" and plan.packing == "per_query"
+
+
+def test_sharing_gives_hinted_plans_for_decode_steps_only() -> None:
+    planner = _planner()
+    run_step(planner, SHARED)
+    assert planner.probe.sharing is True
+    plan = run_step(planner, SHARED)
+    assert kind(plan) == "hinted"
+    assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes  # the hint's sharing is used
+    # A step with more than one new token per request copies its table.
+    extend = Batch([[1, 2, 10], [1, 2, 11]], new_tokens=2)
+    assert kind(run_step(planner, extend)) == "copy"
+
+
+def test_stale_hint_falls_back() -> None:
+    planner = _planner()
+    run_step(planner, SHARED)
+    # The same requests in another order: the hint's rows are wrong for this step.
+    reordered = Batch([[4, 13], [1, 3, 12], [1, 2, 11], [1, 2, 10]])
+    assert kind(run_step(planner, reordered)) == "hinted-fallback"
+    # The step's own rows became the next step's hint.
+    assert kind(run_step(planner, reordered)) == "hinted"
+
+
+def test_padding_rows_are_left_out_of_the_probe_and_the_hint() -> None:
+    """Padding rows (all on page 0) share a page with each other, but they are not requests:
+    a batch of private requests plus padding still counts as unshared, and the hint holds
+    the real rows only."""
+    planner = _planner()
+    padded = Batch([[20, 21], [22, 23], [24, 25]], pad=3)
+    assert kind(run_step(planner, padded)) == "copy"
+    assert planner.probe.sharing is False
+    hint = planner.table_hint.take()
+    assert hint is not None and hint.shape[0] == 3
+    plan = run_step(planner, padded)
+    assert kind(plan) == "unshared" and plan.num_tokens == 6
+    assert planner.probe.sharing is False
+    shared = Batch([[1, 2, 10], [1, 2, 11]], pad=2)
+    assert kind(run_step(planner, shared)) == "unshared"  # the verdict is a step old
+    assert planner.probe.sharing is True
+    hint = planner.table_hint.take()
+    assert hint is not None and hint.shape[0] == 2
+    plan = run_step(planner, shared)
+    assert kind(plan) == "hinted" and plan.num_tokens == 4
+
+
+def test_capture_and_engines_without_a_device_table_copy() -> None:
+    planner = _planner()
+    run_step(planner, PRIVATE)
+    assert kind(run_step(planner, PRIVATE, device_table=False)) == "copy"
+    assert kind(run_step(planner, PRIVATE, capture=True)) == "copy"
+    assert planner.plan_kinds == {"copy": 2, "unshared": 0, "hinted": 0}  # capture not counted
+
+
+@pytest.mark.parametrize("unshared", [False, True])
+@pytest.mark.parametrize("hinted", [False, True])
+def test_options_switch_the_fast_paths_off(unshared: bool, hinted: bool) -> None:
+    planner = _planner(unshared_plans=unshared, hinted_plans=hinted)
+    assert kind(run_step(planner, PRIVATE)) == "copy"
+    # With unshared plans off, a hint serves any decode step.
+    second = "unshared" if unshared else ("hinted" if hinted else "copy")
+    assert kind(run_step(planner, PRIVATE)) == second
+    run_step(planner, SHARED)
+    run_step(planner, SHARED)
+    assert kind(run_step(planner, SHARED)) == ("hinted" if hinted else "copy")
+    if not hinted:
+        assert planner.table_hint.take() is None  # nothing recorded
+
+
+def test_graph_and_eager_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    planner = _planner()
+    eager = planner.attention_for(graph=False)
+    assert eager is planner.eager_attention and planner.graph_attention is None
+    with pytest.raises(RuntimeError, match="reserve_graphs"):
+        planner.attention_for(graph=True)
+    calls: list[dict] = []
+    monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: calls.append(kw))
+    sizes = planner.reserve_graphs(8, 8, 1024)
+    graph = planner.attention_for(graph=True)
+    assert graph is planner.graph_attention and graph is not eager
+    assert calls == [{**sizes, "hinted": True}]
+    # Graph steps plan on the graph object, eager steps on the other.
+    run_step(planner, SHARED, graph=True)
+    assert graph.last_plan is not None and eager.last_plan is None
+    run_step(planner, PRIVATE)
+    assert eager.last_plan is not None
+
+
+def test_graph_slots_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: None)
+    default = _planner().reserve_graphs(8, 8, 4096)
+    assert default["num_slots"] == 8 * step.decode_slots_per_token(4096, 8) + 1024
+    small = _planner(graph_slots_per_token=3).reserve_graphs(8, 8, 4096)
+    assert small["num_slots"] == 8 * 3 + 1024
+
+
+def test_moved_graph_buffers_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    planner = _planner()
+    planner.reserve_graphs(8, 8, 1024)
+    generation = [0]
+    monkeypatch.setattr(PrefixAttention, "buffers_generation", property(lambda s: generation[0]))
+    generation[0] = 5
+    run_step(planner, SHARED, graph=True)  # nothing captured yet: no check
+    assert planner.captured.captured_generation is None
+    planner.pin()
+    run_step(planner, SHARED, graph=True)
+    generation[0] = 6
+    with pytest.raises(RuntimeError, match=r"outgrew the buffers reserved.*Do X"):
+        run_step(planner, SHARED, graph=True)
+    run_step(planner, SHARED)  # eager steps do not read those buffers
+
+
+def test_options_are_checked_when_set() -> None:
+    with pytest.raises(TypeError, match=r"StepOptions\.hinted_plans must be a bool"):
+        StepOptions(hinted_plans=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="graph_slots_per_token must be in"):
+        StepOptions(graph_slots_per_token=0)
+    options = StepOptions()
+    with pytest.raises(TypeError, match="unshared_plans"):
+        options.unshared_plans = "no"  # type: ignore[assignment]
+    with pytest.raises(AttributeError, match="no option 'hinted'"):
+        options.hinted = False
+    with pytest.raises(AttributeError, match="no option"):
+        options.updated({"slots": 3})
+    assert options.updated({"graph_slots_per_token": 7}).graph_slots_per_token == 7
+    assert options == StepOptions()  # updated() copies
+
+
+def test_configure_sets_the_defaults_of_later_planners(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step, "_defaults", StepOptions())
+    before = StepPlanner(_attention, PAGE)
+    assert step.configure(unshared_plans=False) == StepOptions(unshared_plans=False)
+    after = StepPlanner(_attention, PAGE)
+    assert before.options.unshared_plans and not after.options.unshared_plans
+    explicit = StepPlanner(_attention, PAGE, options=StepOptions())
+    assert explicit.options.unshared_plans
+    with pytest.raises(TypeError):
+        step.configure(hinted_plans=None)
+    assert step.default_options() == StepOptions(unshared_plans=False)
+
+
+def test_kernels_unavailable_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert step.kernels_unavailable_reason("cpu") is None
+    assert step.kernels_unavailable_reason(None) is None
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: True)
+    assert step.kernels_unavailable_reason("cuda") is None
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: False)
+    monkeypatch.setattr(library, "kernels_status", lambda: "not available: nvcc missing")
+    reason = step.kernels_unavailable_reason(torch.device("cuda", 0))
+    assert reason is not None and "not available: nvcc missing" in reason
+    monkeypatch.delattr(library, "kernels_status")
+    reason = step.kernels_unavailable_reason("cuda")
+    assert reason is not None and "could not be loaded" in reason
+
+
+@pytest.mark.parametrize(
+    ("graph_safe", "kernels", "expected"),
+    [(False, True, False), (True, False, False), (True, True, True), (None, True, False)],
+)
+def test_cuda_graphs_available(
+    monkeypatch: pytest.MonkeyPatch, graph_safe: bool | None, kernels: bool, expected: bool
+) -> None:
+    if graph_safe is None:
+        monkeypatch.delattr(PrefixAttention, "cuda_graph_safe", raising=False)
+    else:
+        monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", graph_safe, raising=False)
+    monkeypatch.setattr(library, "cuda_ops_available", lambda: kernels)
+    assert step.cuda_graphs_available() is expected
