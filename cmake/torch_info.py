@@ -1,9 +1,7 @@
 """Print what the build needs to know of the installed torch, one field per line.
 
 Read by CMakeLists.txt: include dirs, library dirs, the C++11 ABI flag, torch's CUDA version
-(or "none"), the C++ standard torch's headers need, and torch's version. The standard is the
-one torch declares to CMake consumers in TorchConfig.cmake (20 for the torch releases whose
-headers use C++20); 17 when torch declares none.
+(or "none"), the C++ standard torch's headers need (:func:`cxx_standard`), and torch's version.
 """
 
 import os
@@ -14,15 +12,20 @@ import torch.utils.cpp_extension as cpp
 
 
 def cxx_standard() -> int:
+    """The newest standard torch asks of its CMake consumers (``CXX_STANDARD 20`` up to torch
+    2.14, ``cxx_std_20`` from 2.15), at least C++20 from torch 2.14 on, else C++17."""
+    found = [17]
     config = os.path.join(
         os.path.dirname(torch.__file__), "share", "cmake", "Torch", "TorchConfig.cmake"
     )
     if os.path.exists(config):
         with open(config) as f:
-            found = re.search(r"CXX_STANDARD\s+(\d+)", f.read())
-        if found:
-            return max(17, int(found.group(1)))
-    return 17
+            text = f.read()
+        found += [int(n) for n in re.findall(r"(?:CXX_STANDARD\s+|cxx_std_)(\d+)", text)]
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 14):  # its headers use C++20
+        found.append(20)
+    return max(found)
 
 
 print(",".join(cpp.include_paths()))
