@@ -169,8 +169,10 @@ def check(
 def test_pat_tree(spec, heads):
     table, lens = tree_batch(spec, 16, seed=1)
     num_pages = int(table.max()) + 1
+    hq, hkv = heads
     check(
-        *heads,
+        hq,
+        hkv,
         128,
         16,
         torch.bfloat16,
@@ -673,18 +675,18 @@ def test_root_tiles(case, qlen):
     batch = 96
     root = 333  # tokens, not a multiple of the page or of the 64-key tile
     root_pages = -(-root // ps)
-    rows, lens, next_page = [], [], root_pages
+    rows, row_lens, next_page = [], [], root_pages
     for _ in range(batch):
         tail = int(rng.integers(1, 90))
         npriv = -(-tail // ps) + 1  # the root's last page is partly used: tails start afresh
         rows.append(list(range(root_pages)) + list(range(next_page, next_page + npriv)))
-        lens.append(root_pages * ps + tail)
+        row_lens.append(root_pages * ps + tail)
         next_page += npriv
     width = max(len(r) for r in rows)
     table = np.zeros((batch, width), dtype=np.int32)
     for i, r in enumerate(rows):
         table[i, : len(r)] = r
-    lens = np.asarray(lens, dtype=np.int32)
+    lens = np.asarray(row_lens, dtype=np.int32)
     qo = np.full(batch, qlen, dtype=np.int32)
     plan = check(
         hq,

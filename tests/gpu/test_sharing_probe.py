@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,10 +33,15 @@ def test_table_hint_lands_asynchronously():
 
     hint = TableHint()
     big = torch.tensor([[3, 4, 9, 8], [5, 6, 7, 1]], dtype=torch.int32, device="cuda")
-    hint.start(big[:, :3], [5, 3], 2)  # a strided slice of a larger table
+    hint.start(big[:, :3], np.array([5, 3]), 2)  # a strided slice of a larger table
     torch.cuda.synchronize()
-    assert hint.take().tolist() == [[3, 4, 9], [5, 6, -1]]
+    taken = hint.take()
+    assert taken is not None
+    assert taken.tolist() == [[3, 4, 9], [5, 6, -1]]
     # A larger table regrows the pinned buffer; the newest landed copy wins.
-    hint.start(torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4), [8, 1, 0], 2)
+    larger = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
+    hint.start(larger, np.array([8, 1, 0]), 2)
     torch.cuda.synchronize()
-    assert hint.take().tolist() == [[0, 1, 2, 3], [4, -1, -1, -1], [-1, -1, -1, -1]]
+    taken = hint.take()
+    assert taken is not None
+    assert taken.tolist() == [[0, 1, 2, 3], [4, -1, -1, -1], [-1, -1, -1, -1]]

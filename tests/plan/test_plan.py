@@ -64,6 +64,7 @@ def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> No
     pa.one_launch_in_one_wave = False
     plan = pa.plan(*args, packing=packing, split_kv=split_kv)
     top = max((m for m, _ in plan.tiles), default=0)
+    assert pa.split_target is not None  # set from the device by the first plan
     one_wave = plan.num_work_items * 8 <= pa.split_target
     for p in (plan, unified):
         h = p.host
@@ -259,9 +260,9 @@ def test_wide_items_take_the_largest_tile(native: bool, spec: str, heads: tuple[
     no_wide.one_launch_in_one_wave = False
     no_wide.tiles = dataclasses.replace(no_wide.tiles, wide_kv_len=0)
     pa.split_target = no_wide.split_target = 0
-    plain, wide = no_wide.plan(table, lens), pa.plan(table, lens)
-    assert _item_multiset(plain) == _item_multiset(wide)
-    assert plain.num_partials == wide.num_partials
+    plain, widened = no_wide.plan(table, lens), pa.plan(table, lens)
+    assert _item_multiset(plain) == _item_multiset(widened)
+    assert plain.num_partials == widened.num_partials
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
