@@ -8,24 +8,11 @@ import torch
 
 from prefixattn import PrefixAttention, attention_reference, tree_batch
 from prefixattn.plan.layout import COUNTS
+from prefixattn.plan.planner import DEVICE_ARRAYS
 
 pytestmark = pytest.mark.gpu
 
-NAMES = (
-    "kv_page_indptr",
-    "kv_pages",
-    "kv_start",
-    "kv_len",
-    "q_indptr",
-    "q_tokens",
-    "q_limit",
-    "q_out",
-    "tile_id",
-    "merge_tokens",
-    "merge_indptr",
-    "merge_partials",
-    "counts",
-)
+NAMES = (*DEVICE_ARRAYS, "counts")
 
 
 def test_addresses_stay_while_plans_fit() -> None:

@@ -17,6 +17,7 @@ import prefixattn
 from prefixattn import PAT_TREES, build_forest, tree_batch
 from prefixattn.plan.native import build_plan_native
 from prefixattn.plan.packing import PACKINGS, BatchShape, finish_in_leaf, pack
+from prefixattn.plan.planner import DEVICE_ARRAYS
 from prefixattn.plan.tiles import tile_table
 
 pytestmark = pytest.mark.native
@@ -379,22 +380,6 @@ def test_reused_forest_packs_like_a_fresh_one(spec: str, page_size: int) -> None
     )
 
 
-PLAN_TENSORS = (
-    "kv_page_indptr",
-    "kv_pages",
-    "kv_start",
-    "kv_len",
-    "q_indptr",
-    "q_tokens",
-    "q_limit",
-    "q_out",
-    "tile_id",
-    "merge_tokens",
-    "merge_indptr",
-    "merge_partials",
-)
-
-
 @pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8), (16, 8), (32, 32)])
 def test_plan_finishes_the_same_tokens_natively(page_size: int, heads: tuple[int, int]) -> None:
@@ -420,7 +405,7 @@ def test_plan_finishes_the_same_tokens_natively(page_size: int, heads: tuple[int
             nat, py = plans
             assert nat.num_finished == py.num_finished, spec
             assert nat.narrow == py.narrow and nat.tiles == py.tiles, spec
-            for name in PLAN_TENSORS:
+            for name in DEVICE_ARRAYS:
                 torch.testing.assert_close(getattr(nat, name), getattr(py, name), msg=name)
             seen_finished += nat.num_finished
     assert seen_finished > 0  # the suite has plans whose leaf launch finishes tokens

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from prefixattn import PAT_TREES, PrefixAttention, tree_batch
 from prefixattn.plan.packing import MIN_SPLIT_TOKENS
+from prefixattn.plan.planner import DEVICE_ARRAYS
 
 HEADS = [(32, 32), (16, 8), (32, 8), (64, 8)]
 PACKINGS = ("memory", "naive", "per_query")
@@ -338,20 +339,7 @@ def test_one_wave_plan_is_exact(native: bool) -> None:
 def test_plan_arrays_are_int32_on_device() -> None:
     table, lens = tree_batch("2,8_64,32", 16)
     plan = PrefixAttention(8, 2, 64, 16).plan(torch.from_numpy(table), torch.from_numpy(lens))
-    for name in (
-        "kv_page_indptr",
-        "kv_pages",
-        "kv_start",
-        "kv_len",
-        "q_indptr",
-        "q_tokens",
-        "q_limit",
-        "q_out",
-        "tile_id",
-        "merge_tokens",
-        "merge_indptr",
-        "merge_partials",
-    ):
+    for name in DEVICE_ARRAYS:
         t = getattr(plan, name)
         assert t.dtype == torch.int32 and t.device.type == "cpu", name
         np.testing.assert_array_equal(t.numpy(), getattr(plan.host, name))
