@@ -9,7 +9,7 @@ them, take that column's time; otherwise the plan is new ("between") and keeps t
 default time. Prints each configuration whose time or plan changes and the predicted geomean
 % of the floor.
 
-Identical plans do not time identically in different columns of one run (docs/kernel-notes.md,
+Identical plans do not time identically in different columns of one run (docs/dev/log.md,
 v8, "same-plan spread"). The script also prints each column's geometric-mean ratio to
 `prefixattn_us` over the configurations where all three plans are identical, and the
 prediction with the borrowed times divided by that ratio.

@@ -111,7 +111,7 @@ void launch_forward(const ForwardParams& p, int pairs, cudaStream_t stream, bool
       case 2:
         // The warp-specialized kernel with one consumer warpgroup (3 stages, two blocks per
         // SM): its producer keeps the copies going while the consumers compute, where the
-        // mma.sync tile's warps issue both (docs/kernel-notes.md, v56). Measured at D = 128.
+        // mma.sync tile's warps issue both (docs/dev/log.md, v56). Measured at D = 128.
         if constexpr (D == 128) {
           return launch<forward_wgmma_kernel<T, D, 3, 1>>(
               wgmma_threads<1>(), forward_wgmma_smem_bytes<D, 3>(), p, pairs, stream, chained);
@@ -120,7 +120,7 @@ void launch_forward(const ForwardParams& p, int pairs, cudaStream_t stream, bool
               128, forward_mma_smem_bytes<D, 4, 1, S>(), p, pairs, stream, chained);
         }
       default:
-        // 128 keys per consumer step (two stages; docs/kernel-notes.md v64).
+        // 128 keys per consumer step (two stages; docs/dev/log.md v64).
         return launch<forward_wgmma_kernel<T, D, 6, 2, 2>>(
             kWgmmaThreads, forward_wgmma_smem_bytes<D, 6>(), p, pairs, stream, chained);
     }

@@ -225,7 +225,7 @@ void run_plan(const RunPlanArgs& a, const LaunchOptions& o, cudaStream_t stream)
   p.finish = finishing ? 1 : 0;
   // The leaf kernel's one-column-block form, for a plan known on the host to have no 16-row
   // item of more than 8 rows (not under a fixed grid: a replay may run any plan). A finishing
-  // leaf launch keeps the general form, which measured faster there (docs/kernel-notes.md v52).
+  // leaf launch keeps the general form, which measured faster there (docs/dev/log.md v52).
   // Where the items average at most 3 tiles of 16 tokens (leaf_tiles, also from the host), the
   // short form: more warps, each a tile ahead, beat fewer warps two tiles ahead (v53).
   const bool narrow_leaf = !fixed && !finishing && a.leaf_max_rows >= 0 && a.leaf_max_rows <= 8;

@@ -70,20 +70,20 @@ class PlanOptions(_Checked):
     """Let the 16-row kernel cover several KV heads per (item, KV head) pair where the items'
     rows fit and the launch keeps at least ``split_target`` pairs
     (``prefixattn.plan.layout.packed_heads``): fewer, larger pairs for short decode items
-    (docs/kernel-notes.md, v14). False: one KV head per pair."""
+    (docs/dev/log.md, v14). False: one KV head per pair."""
 
     finish_in_leaf: bool = True
     """Plans let the leaf kernel (16-row tiles, head_dim <= 128) finish the merged tokens with
     exactly one slot in its items: the CUDA launcher then runs the leaf launch after the other
     forward launches, and its warps merge those tokens' other partial rows into the output, so
     the merge launch takes only the rest (``prefixattn.plan.packing.finish_in_leaf``;
-    docs/kernel-notes.md, v25). False: every merged token goes through the merge launch, and
+    docs/dev/log.md, v25). False: every merged token goes through the merge launch, and
     the leaf launch runs first. ``run`` reads it too."""
 
     one_launch_in_one_wave: bool = True
     """When all (work item, KV head) pairs of a plan fit in one wave (at most
     ``split_target``), give every item the plan's largest tile height, so that the forward
-    kernels run as one launch instead of one per height (docs/kernel-notes.md, v8). False:
+    kernels run as one launch instead of one per height (docs/dev/log.md, v8). False:
     each item keeps its own tile height."""
 
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
@@ -115,7 +115,7 @@ class LaunchOptions(_Checked):
 
     prefetch_tiles: int = 0
     """Prefetch KV into L2 this many 64-token tiles ahead of the copies
-    (``cp.async.bulk.prefetch.L2``); 0 turns it off (see docs/kernel-notes.md)."""
+    (``cp.async.bulk.prefetch.L2``); 0 turns it off (see docs/dev/log.md)."""
 
     fixed_grid: bool = False
     """Launch the plan-independent grids used under graph capture even when not capturing
@@ -124,14 +124,14 @@ class LaunchOptions(_Checked):
     concurrent_groups: bool = False
     """Run the tile groups (one launch per query-tile height) on forked streams at once
     instead of one after another on the caller's stream (not measured yet; see
-    docs/kernel-notes.md)."""
+    docs/dev/log.md)."""
 
     chain_launches: bool = True
     """Let each launch of a call after the first (the next tile height, the merge) start while
     the one before it drains (programmatic dependent launch), so the launches overlap at their
     tails; off, each waits for the one before to finish. On by default since the leaf kernel:
     6.4% less time over the suite, at worst 1.0% more on one configuration
-    (docs/kernel-notes.md, v17 and "Chained launches with the leaf kernel")."""
+    (docs/dev/log.md, v17 and "Chained launches with the leaf kernel")."""
 
     _CHECKS: ClassVar[dict[str, Any]] = {
         "use_kernels": _check_bool,

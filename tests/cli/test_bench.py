@@ -144,7 +144,7 @@ def test_timer_warms_up_before_timing() -> None:
 
 
 def test_bench_plan_script_runs() -> None:
-    """benchmarks/bench_plan.py (cited in docs/plan-speed.md) runs all of its planners."""
+    """benchmarks/bench_plan.py (cited in docs/performance.md) runs all of its planners."""
     import subprocess
     import sys
     from pathlib import Path
@@ -360,7 +360,7 @@ def test_summary_and_table_with_ceilings(tmp_path) -> None:
 
 
 def test_attention_math_rate_script_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/attention_math_rate.py (cited in docs/kernel-notes.md) parses its options and,
+    """benchmarks/attention_math_rate.py (cited in docs/dev/log.md) parses its options and,
     without a CUDA GPU, stops with a message and exit status 1."""
     import importlib.util
 

@@ -43,7 +43,7 @@ constexpr int kLeafTokens = 16;  // KV tokens per stage and warp
 // of one 8x8 matrix fall in different banks, and the two 16-byte halves of every 32-byte sector
 // a copy reads from global memory land in one 32-byte sector of shared memory: padded rows
 // (D + 8 halfs: every other row 16 bytes past a sector boundary) made the L1 fetch each of
-// those rows' sectors twice, 1.5 times the KV bytes from the L2 (docs/kernel-notes.md v54).
+// those rows' sectors twice, 1.5 times the KV bytes from the L2 (docs/dev/log.md v54).
 // A block still asks for 16 bytes per stage row more than its stages use (kLeafSmemReserve),
 // the size the padded rows had: two blocks of the 3-stage forms (three of the short form)
 // then fill an SM's shared memory, and no block of another launch is placed beside them (v54:
@@ -106,7 +106,7 @@ struct LeafCopier {
                   // kStep) % 8)
   // The KV is streamed evict-first when the plan has other launches or a merge: the leaf
   // pairs read their pages once, and the L2 is left to the partial rows and the pages that
-  // row chunks share (docs/kernel-notes.md v45). A plan of leaf pairs alone keeps the default
+  // row chunks share (docs/dev/log.md v45). A plan of leaf pairs alone keeps the default
   // policy, which streams faster on its own.
   bool evict_first;
   uint32_t dst0;  // shared address of this lane's first K row in stage 0
@@ -506,7 +506,7 @@ __device__ __forceinline__ void leaf_pair(const ForwardParams& p, const LeafPair
 // One warp per (item, KV head) pair; 4 independent warps per block (see the top of this file).
 // NC_MAX: the column blocks a pair may need, 2 (items of up to 16 rows) or 1 (at most 8 rows,
 // which the caller guarantees: rows 8-15 of a larger item would not be computed). Without the
-// 16-row form the kernel needs 192 registers instead of 252 at head_dim 128 (docs/kernel-notes.md
+// 16-row form the kernel needs 192 registers instead of 252 at head_dim 128 (docs/dev/log.md
 // v52, v54). With NC_MAX = 1 and 2 stages at head_dim 128 it fits 3 blocks per SM (168
 // registers, 68 KB of shared memory with the reserve): 12 warps, each a tile ahead, for plans
 // of short pairs (v53).

@@ -75,7 +75,7 @@ struct WgmmaKeyStep {
 };
 // The least tiles of a pair (of more than 64 rows) that takes 128 keys per step where the
 // kernel has that form (KSTEP = 2): shorter pairs lose more to the serialized products than
-// they gain (docs/kernel-notes.md v64).
+// they gain (docs/dev/log.md v64).
 constexpr int kWgmmaKeys128MinTiles = 16;
 
 template <typename T, int D, int STAGES, int CWG = 2, int KSTEP = 1>
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(wgmma_threads<CWG>(), 3 - CWG)
     int phase = 0;
     // Each thread's copies of a stage signal "full" as they land (cp.async.mbarrier.arrive), so
     // the producer runs ahead as far as the "empty" barriers let it: up to STAGES tiles in
-    // flight (docs/kernel-notes.md v59). The consumers fence the landed bytes for the async
+    // flight (docs/dev/log.md v59). The consumers fence the landed bytes for the async
     // proxy after their wait.
     while (!cp.done) {
       const int st = cp.stage;

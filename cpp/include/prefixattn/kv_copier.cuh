@@ -64,7 +64,7 @@ struct PairCursor {
 // and are not copied; the rows before that past the end are zero-filled (masked keys carry
 // V = 0, never NaN). An empty item still gets its first slice of zeros.
 // kEvictFirst: the copies carry an L2 evict-first policy, for launches whose items rarely
-// share pages (docs/kernel-notes.md v46); the `wgmma` producer, whose 128-row items are often
+// share pages (docs/dev/log.md v46); the `wgmma` producer, whose 128-row items are often
 // row chunks of one node reading the same pages, keeps the default.
 template <typename T, int ROWS, int SLICE, bool kEvictFirst = false, bool kSmemPages = false>
 struct KvCopier {
@@ -75,7 +75,7 @@ struct KvCopier {
   int pg[ROWS];
   // kSmemPages: the current pair's first spg_cap page ids, staged in shared memory by the
   // spg_threads copying threads (named barrier 2) when the pair starts, so a tile's page ids
-  // are a shared-memory load instead of a global one (docs/kernel-notes.md v62). spg ==
+  // are a shared-memory load instead of a global one (docs/dev/log.md v62). spg ==
   // nullptr: every page id from global memory.
   int32_t* spg = nullptr;
   int spg_cap = 0, spg_threads = 0, spg_n = 0;

@@ -33,7 +33,7 @@ struct FastDiv {
 // Byte ranges that every forward launch asks the L2 to fetch as it starts (WarmL2): the plan's
 // index arrays and q. A pair's loads form a chain (its item's bounds, then its slots, then q
 // rows, page ids and partial-row indices), and from a cold L2 each link is a DRAM round trip;
-// fetched up front, the links after the first are L2 hits (docs/kernel-notes.md v57).
+// fetched up front, the links after the first are L2 hits (docs/dev/log.md v57).
 constexpr int kWarmRanges = 13;
 constexpr int kWarmLine = 128;  // bytes per prefetch
 struct WarmL2 {

@@ -54,7 +54,7 @@ struct Vec<__nv_bfloat16> {
 
 // 16-byte async copy, zero-filled when !valid. The L2::128B hint lets the L2 fetch the whole
 // 128-byte line from DRAM on the first sector's miss (measured: 1-3% faster streaming than no
-// hint; 64 and 256 bytes gained nothing, docs/kernel-notes.md v44).
+// hint; 64 and 256 bytes gained nothing, docs/dev/log.md v44).
 __device__ __forceinline__ void cp_async_16(uint32_t s, const void* gmem, bool valid) {
   int src_size = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),

@@ -67,7 +67,7 @@ SPLIT_SLACK = 2
 # holds the count in 4 bits; see finish_in_leaf).
 MAX_FINISH_OTHERS = FINISH_RADIX - 1
 # The leaf launch finishes tokens only where its warps run at most this many pairs each, or
-# pairs of at least this many 16-token tiles on average (docs/kernel-notes.md, v25).
+# pairs of at least this many 16-token tiles on average (docs/dev/log.md, v25).
 FINISH_MAX_PAIRS_PER_WARP = 2
 FINISH_MIN_TILES_PER_PAIR = 8
 

@@ -53,13 +53,13 @@ class TileTable:
         ``wide_kv_len`` KV tokens takes the largest height instead of the smallest that fits
         (0: off). On sm90 the largest height is the warp-specialized ``wgmma`` tile, whose
         producer warpgroup keeps the copies going while the consumers compute; the 64-row
-        ``mma.sync`` tile issues both from the same warps (docs/kernel-notes.md, v55).
+        ``mma.sync`` tile issues both from the same warps (docs/dev/log.md, v55).
     narrow_m_sizes, narrow_traffic: the planner also plans with these heights alone (at
         head_dim 128 on sm90: 16 and 64, no 128-row tile) and takes that plan where its KV
         and partial-row bytes are at most ``narrow_traffic`` times those of the plan with
         ``m_sizes`` (``()``: off). Twice the blocks of half the rows run beside the other
         launches' blocks (a 64-row ``wgmma`` block leaves room on its SM) but re-read the
-        KV of items of more than 64 rows (docs/kernel-notes.md, v56).
+        KV of items of more than 64 rows (docs/dev/log.md, v56).
     """
 
     m_sizes: tuple[int, ...]
