@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # SGLang on the GPU machine: correctness checks and the decode benchmark for prefixattn.
 #
-#   tools/sglang/run_gpu.sh build   install this tree (`pip install --no-deps -e .`, pure
+#   tools/sglang/run_gpu.sh build   install this tree (a wheel in dist/, from `python -m build
+#                                   --wheel` where PyPI is reachable, else `pip install
+#                                   --no-deps -e .`; pure
 #                                   Python) and compile its library for the installed torch
 #                                   (`prefixattn build`)
 #   tools/sglang/run_gpu.sh check   engine_check (CUDA graphs on and off, against SGLang's
@@ -120,7 +122,10 @@ part_bench() {
 }
 
 part_build() {
-  step install 300 python3 -m pip install -q --no-deps -e . || return 1
+  local source=(-e .) wheel
+  wheel=$(ls dist/prefixattn-*.whl 2>/dev/null | tail -n 1)
+  [ -n "$wheel" ] && source=("$wheel")
+  step install 300 python3 -m pip install -q --no-deps "${source[@]}" || return 1
   step build "$(left)" python3 -m prefixattn.cli build
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM GPU checks in one command, within about 9 minutes (BUDGET):
-#   build  install this tree (`pip install --no-deps -e .`, pure Python) and compile its library
+#   build  install this tree (a wheel in dist/, from `python -m build --wheel` where
+#          PyPI is reachable, else `pip install --no-deps -e .`) and compile its library
 #          for the installed torch (`prefixattn build`); not counted in BUDGET
 #   check  tools/vllm/check_engine.py: CUSTOM against FLASH_ATTN, CUDA graphs on and off
 #   serve  tools/vllm/serve_smoke.sh: `vllm serve --attention-backend CUSTOM`, one request
@@ -43,8 +44,11 @@ done
 
 if [ $build = 1 ]; then
   echo "== build (log $OUT/build.log)"
+  source=(-e .)
+  wheel=$(ls dist/prefixattn-*.whl 2>/dev/null | tail -n 1)
+  [ -n "$wheel" ] && source=("$wheel")
   {
-    python3 -m pip install -q --no-deps -e . &&
+    python3 -m pip install -q --no-deps "${source[@]}" &&
       timeout 900 python3 -m prefixattn.cli build
   } >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "build: FAIL"; exit 1; }
   tail -1 "$OUT/build.log"
