@@ -159,8 +159,9 @@ def check_coverage(plan, batch: Batch) -> None:
         i = t - int(batch.qo_indptr[b])
         expected_limit[t] = int(batch.seq_lens[b]) - int(qo_lens[b]) + i + 1
     for w in range(plan.num_work_items):
-        pages = h.kv_pages[h.kv_page_indptr[w] : h.kv_page_indptr[w + 1]]
         start, n = int(h.kv_start[w]), int(h.kv_len[w])
+        p0 = int(h.kv_page_offset[w])
+        pages = h.kv_pages[p0 : p0 + -(-n // ps)]
         assert start % ps == 0 and n > 0
         assert len(pages) == -(-n // ps)
         assert h.q_indptr[w + 1] > h.q_indptr[w], "empty work item"

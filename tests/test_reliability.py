@@ -13,15 +13,14 @@ import torch
 from conftest import NATIVE_OR_PYTHON
 
 from prefixattn import PlanOptions, PrefixAttention
-from prefixattn.options import DEFAULT_MAX_PLAN_BYTES
 from prefixattn.plan.native import build_plan_native
-from prefixattn.plan.packing import BatchShape
+from prefixattn.plan.packing import BatchShape, page_runs
 from prefixattn.plan.planner import estimate_plan
 from prefixattn.plan.tiles import TileTable, tile_table
 from prefixattn.runtime.reference import attention_reference
 
 HOST_FIELDS = (
-    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_offset", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "tile_indptr", "merge_tokens", "merge_indptr", "merge_partials",
 )  # fmt: skip
 
@@ -443,21 +442,47 @@ def test_both_planners_report_the_same_negative_page_id(native: bool, dtype) -> 
 
 
 # ---------------------------------------------------------- 7. plan memory guard
-def test_plan_estimate_grows_with_chunks_times_context() -> None:
+def test_plan_estimate_is_linear_in_context_and_chunk() -> None:
     tiles = tile_table(128)
     big = estimate_plan(np.array([2**20]), np.array([0, 2**16]), 1, 4, tiles)
-    # 2048 chunks of 32 tokens (and 4096 of 16 with the narrow table), each ~1M pages.
-    assert 5e9 < big.pages < 7e9 and big.nbytes > DEFAULT_MAX_PLAN_BYTES
+    # A 64K-token chunk into a 1M-token context at page size 1: the context's page ids once
+    # per plan built (the narrow table's plan beside the first), not once per row chunk.
+    assert big.pages == 2 * 2**20 and big.nbytes < 200 * 2**20
     small = estimate_plan(np.full(64, 4096), np.arange(65), 16, 4, tiles)
     assert small.nbytes < 2**24
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
-def test_plan_over_the_memory_limit_is_refused(native: bool) -> None:
-    # A 1024-token prefill chunk into a 16K-token context at page size 1: ~1.5M page ids.
+def test_chunked_prefill_stores_the_context_once(native: bool) -> None:
+    # A 4096-token chunk into a 64K-token context at page size 1: 128 row chunks that all
+    # read the same row; the plan stores its 64K page ids once and every chunk points at them.
+    ctx, chunk = 2**16, 4096
     pa = PrefixAttention(32, 8, 128, 1, dtype=torch.float32)
     pa.native_plan = native
-    pa.max_plan_bytes = 2**20
+    table = np.random.default_rng(0).permutation(ctx).astype(np.int32)[None, :]
+    plan = pa.plan(table, np.array([ctx]), np.array([0, chunk]))
+    h = plan.host
+    assert plan.num_work_items == chunk * 4 // 128
+    assert np.array_equal(h.kv_pages, table[0])
+    assert np.array_equal(h.kv_page_offset, h.kv_start)  # item w reads from its start column
+    assert np.array_equal(np.sort(h.kv_len), ctx - chunk + 32 * np.arange(1, 129))
+
+
+def testpage_runs_worked_example() -> None:
+    table = np.arange(20, dtype=np.int32).reshape(2, 10)
+    offset, pages = page_runs(
+        table, np.array([0, 1, 0, 1]), np.array([0, 2, 2, 7]), np.array([4, 2, 4, 0])
+    )
+    assert offset.tolist() == [0, 6, 2, 0]
+    assert pages.tolist() == [0, 1, 2, 3, 4, 5, 12, 13]
+
+
+@pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
+def test_plan_over_the_memory_limit_is_refused(native: bool) -> None:
+    # A 1024-token prefill chunk into a 16K-token context at page size 1, over a 256 KiB limit.
+    pa = PrefixAttention(32, 8, 128, 1, dtype=torch.float32)
+    pa.native_plan = native
+    pa.max_plan_bytes = 2**18
     lens, indptr = np.array([2**14]), np.array([0, 1024])
     table = np.arange(2**14, dtype=np.int32)[None, :]
     device_table = torch.zeros((1, 2**14), dtype=torch.int32)

@@ -24,11 +24,11 @@ from prefixattn import PrefixAttention
 from prefixattn.workloads import PAT_TREES, tree_batch
 
 HOST_FIELDS = (
-    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_offset", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "tile_indptr", "merge_tokens", "merge_indptr", "merge_partials",
 )  # fmt: skip
 DEVICE_FIELDS = (
-    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_offset", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials", "counts",
 )  # fmt: skip
 SCALARS = (

@@ -130,7 +130,7 @@ void run_plan(const RunPlanArgs& a, const LaunchOptions& o, cudaStream_t stream)
   p.out = a.out;
   p.partial_o = a.partial_o;
   p.partial_lse = a.partial_lse;
-  p.kv_page_indptr = a.kv_page_indptr.data;
+  p.kv_page_offset = a.kv_page_offset.data;
   p.kv_pages = a.kv_pages.data;
   p.kv_start = a.kv_start.data;
   p.kv_len = a.kv_len.data;
@@ -153,7 +153,7 @@ void run_plan(const RunPlanArgs& a, const LaunchOptions& o, cudaStream_t stream)
   {
     int r = 0;
     for (const DeviceArray* t :
-         {&a.counts, &a.q_indptr, &a.kv_len, &a.kv_start, &a.kv_page_indptr, &a.q_limit, &a.q_out,
+         {&a.counts, &a.q_indptr, &a.kv_len, &a.kv_start, &a.kv_page_offset, &a.q_limit, &a.q_out,
           &a.q_tokens, &a.kv_pages, &a.merge_partials, &a.merge_tokens, &a.merge_indptr})
       warm_range(p.warm, r++, t->data, t->size * 4, kWarmIndexCap);
     const int64_t q_elems = a.num_tokens == 0 ? 0

@@ -38,7 +38,7 @@ struct RunPlanArgs {
   int64_t o_stride_t = 0, o_stride_h = 0;
   void* partial_o = nullptr;     // [num_partials, num_qo_heads, head_dim], q's dtype, 16-B aligned
   float* partial_lse = nullptr;  // [num_partials, num_qo_heads]
-  DeviceArray kv_page_indptr, kv_pages, kv_start, kv_len, q_indptr, q_tokens, q_limit, q_out,
+  DeviceArray kv_page_offset, kv_pages, kv_start, kv_len, q_indptr, q_tokens, q_limit, q_out,
       merge_tokens, merge_indptr, merge_partials;
   DeviceArray counts;  // kCountsLen entries (plan_layout.h)
   // Host tile groups: items tile_indptr[t] .. tile_indptr[t + 1] - 1 run with query tile height

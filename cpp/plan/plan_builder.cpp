@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -709,42 +710,49 @@ std::vector<int64_t> group_tiles(const TileTable& tiles, const Parts& parts, int
   return item_part;
 }
 
-// Step 5: each item's KV run and pages (its representative request's block-table row). Returns
-// the KV tokens of all items. Throws PageIdRangeError for a page id the plan reads that is
-// negative or beyond int32.
+// Step 5: each item's KV run and pages: a run of its representative request's block-table row.
+// Items that read overlapping or adjacent columns of one row share one stored run (runs in
+// (row, first column) order), so the page ids stored are at most the block table's used
+// entries. Returns the KV tokens of all items. Throws PageIdRangeError for a page id the plan
+// reads that is negative or beyond int32.
 int64_t gather_pages(const PlanParams& p, const Parts& parts, const Chunks& chunks,
                      const std::vector<int64_t>& item_part, PlanResult& out) {
   const int64_t ps = p.page_size;
   const int64_t num_items = static_cast<int64_t>(item_part.size());
-  out.kv_page_indptr.assign(num_items + 1, 0);
+  out.kv_page_offset.assign(num_items, 0);
   out.kv_start.resize(num_items);
   out.kv_len.resize(num_items);
-  int64_t total_len = 0, total_pages = 0;
+  struct Read {
+    int64_t row, col, end, item;
+  };
+  std::vector<Read> reads;
+  reads.reserve(num_items);
+  int64_t total_len = 0;
   for (int64_t w = 0; w < num_items; ++w) {
     const int64_t q = item_part[w];
     const int64_t len = parts.end[q] - parts.begin[q];
     out.kv_start[w] = static_cast<int32_t>(parts.begin[q]);
     out.kv_len[w] = static_cast<int32_t>(len);
     total_len += len;
-    total_pages += std::max<int64_t>(ceildiv(len, ps), 0);
-    out.kv_page_indptr[w + 1] = static_cast<int32_t>(out.kv_page_indptr[w] + ceildiv(len, ps));
+    const int64_t npages = ceildiv(len, ps);
+    if (npages <= 0) continue;
+    const int64_t row = chunks.req[parts.chunk[q]];
+    const int64_t col = floordiv(parts.begin[q], ps);
+    if (col < 0 || col + npages > p.cols || row < 0 || row >= p.batch) {
+      throw std::out_of_range("work item reads past the block table");
+    }
+    reads.push_back({row, col, col + npages, w});
   }
-  out.kv_pages.clear();
-  out.kv_pages.reserve(total_pages);
+  std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
+    return a.row != b.row ? a.row < b.row : a.col < b.col;
+  });
   auto bad_page = [&](int64_t row, int64_t col, int64_t id) {
     const char* what = id < 0 ? "a negative page id" : "a page id beyond int32 range";
     return PageIdRangeError("block_table[" + std::to_string(row) + ", " + std::to_string(col) +
                             "] = " + std::to_string(id) + " is " + what);
   };
-  for (int64_t w = 0; w < num_items; ++w) {
-    const int64_t q = item_part[w];
-    const int64_t npages = ceildiv(parts.end[q] - parts.begin[q], ps);
-    const int64_t row = chunks.req[parts.chunk[q]];
-    const int64_t col = floordiv(parts.begin[q], ps);
-    if (npages <= 0) continue;
-    if (col < 0 || col + npages > p.cols || row < 0 || row >= p.batch) {
-      throw std::out_of_range("work item reads past the block table");
-    }
+  auto store_run = [&](int64_t row, int64_t col, int64_t end) {
+    const int64_t npages = end - col;
     if (p.block_table32 != nullptr) {
       const int32_t* src = p.block_table32 + row * p.cols + col;
       const int32_t low = *std::min_element(src, src + npages);
@@ -762,6 +770,27 @@ int64_t gather_pages(const PlanParams& p, const Parts& parts, const Chunks& chun
         out.kv_pages.push_back(static_cast<int32_t>(src[k]));
       }
     }
+  };
+  out.kv_pages.clear();
+  size_t i = 0;
+  while (i < reads.size()) {
+    // One run: the reads of this row from reads[i] on while each starts within the run.
+    const int64_t row = reads[i].row, col = reads[i].col;
+    int64_t end = reads[i].end;
+    size_t j = i + 1;
+    while (j < reads.size() && reads[j].row == row && reads[j].col <= end) {
+      end = std::max(end, reads[j].end);
+      ++j;
+    }
+    const int64_t base = static_cast<int64_t>(out.kv_pages.size());
+    if (base + (end - col) > std::numeric_limits<int32_t>::max()) {
+      throw std::length_error("the plan's page ids exceed int32 offsets");
+    }
+    for (size_t k = i; k < j; ++k) {
+      out.kv_page_offset[reads[k].item] = static_cast<int32_t>(base + reads[k].col - col);
+    }
+    store_run(row, col, end);
+    i = j;
   }
   return total_len;
 }
@@ -1093,7 +1122,7 @@ void Forest::clear() {
 
 void PlanResult::clear(bool keep_forest) {
   if (!keep_forest) forest.clear();
-  for (auto* v : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
+  for (auto* v : {&kv_page_offset, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &tile_id, &tile_indptr, &merge_tokens, &merge_indptr, &merge_partials}) {
     v->clear();
   }

@@ -103,7 +103,7 @@ struct Forest {
 // plan.PlanArrays, the tiles, and the byte accounting of `pack`.
 struct PlanResult {
   Forest forest;
-  std::vector<int32_t> kv_page_indptr;
+  std::vector<int32_t> kv_page_offset;
   std::vector<int32_t> kv_pages;
   std::vector<int32_t> kv_start;
   std::vector<int32_t> kv_len;

@@ -29,7 +29,7 @@ std::vector<const std::vector<int32_t>*> int32_fields(const PlanResult& r) {
   const Forest& f = r.forest;
   return {&f.parent,         &f.page_begin,    &f.page_end,    &f.req_begin,       &f.req_end,
           &f.order,          &f.ending_indptr, &f.ending_reqs, &f.children_indptr, &f.children,
-          &r.kv_page_indptr, &r.kv_start,      &r.kv_len,      &r.q_indptr,        &r.q_tokens,
+          &r.kv_page_offset, &r.kv_start,      &r.kv_len,      &r.q_indptr,        &r.q_tokens,
           &r.q_limit,        &r.q_out,         &r.tile_id,     &r.tile_indptr,     &r.merge_tokens,
           &r.merge_indptr,   &r.merge_partials};
 }

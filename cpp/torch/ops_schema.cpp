@@ -22,7 +22,7 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
   // are not fixed grids take their item ranges from the host.
   m.def(
       "run_plan(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor(b!) partial_o, "
-      "Tensor(c!) partial_lse, Tensor kv_page_indptr, Tensor kv_pages, Tensor kv_start, "
+      "Tensor(c!) partial_lse, Tensor kv_page_offset, Tensor kv_pages, Tensor kv_start, "
       "Tensor kv_len, Tensor q_indptr, Tensor q_tokens, Tensor q_limit, Tensor q_out, "
       "Tensor merge_tokens, Tensor merge_indptr, Tensor merge_partials, Tensor counts, "
       "int[] tile_indptr, int[] tile_m, int num_merge_tokens, bool hnd, float scale, "

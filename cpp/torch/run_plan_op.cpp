@@ -24,7 +24,7 @@ DeviceArray device_array(const at::Tensor& t) { return {t.data_ptr<int32_t>(), t
 
 void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    at::Tensor& out, at::Tensor& partial_o, at::Tensor& partial_lse,
-                   const at::Tensor& kv_page_indptr, const at::Tensor& kv_pages,
+                   const at::Tensor& kv_page_offset, const at::Tensor& kv_pages,
                    const at::Tensor& kv_start, const at::Tensor& kv_len, const at::Tensor& q_indptr,
                    const at::Tensor& q_tokens, const at::Tensor& q_limit, const at::Tensor& q_out,
                    const at::Tensor& merge_tokens, const at::Tensor& merge_indptr,
@@ -62,7 +62,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           partial_lse.is_contiguous() &&
           reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 16 == 0,
       "prefixattn: partial buffers must be contiguous CUDA tensors, partial_o 16-byte aligned");
-  for (auto* t : {&kv_page_indptr, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
+  for (auto* t : {&kv_page_offset, &kv_pages, &kv_start, &kv_len, &q_indptr, &q_tokens, &q_limit,
                   &q_out, &merge_tokens, &merge_indptr, &merge_partials, &counts})
     check_index(*t, "plan index arrays");
   TORCH_CHECK(num_finished >= 0 && num_finished <= num_merge_tokens, "prefixattn: num_finished (",
@@ -135,7 +135,7 @@ void run_plan_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   a.o_stride_h = out.stride(1);
   a.partial_o = partial_o.data_ptr();
   a.partial_lse = partial_lse.data_ptr<float>();
-  a.kv_page_indptr = device_array(kv_page_indptr);
+  a.kv_page_offset = device_array(kv_page_offset);
   a.kv_pages = device_array(kv_pages);
   a.kv_start = device_array(kv_start);
   a.kv_len = device_array(kv_len);

@@ -35,7 +35,7 @@ def _default_table(pa: PrefixAttention) -> PrefixAttention:
 def _item_multiset(plan) -> list[tuple[int, ...]]:
     h = plan.host
     rows = np.diff(h.q_indptr)
-    pages = np.diff(h.kv_page_indptr)
+    pages = -(-h.kv_len.astype(np.int64) // plan.page_size)
     return sorted(
         zip(h.kv_start.tolist(), h.kv_len.tolist(), rows.tolist(), pages.tolist(), strict=True)
     )

@@ -129,7 +129,7 @@ struct LeafCopier {
     done = pos.w >= r.total;
     if (!done) {
       const int item = r.begin + pos.idx;
-      set(p, p.kv_len[item], p.kv_page_indptr[item]);
+      set(p, p.kv_len[item], p.kv_page_offset[item]);
       fetch_pair_after(p, r, pos, next2_len, next2_page0);  // pair + 1, moved on next
       fetch_next(p, r);
       load_pages(p);

@@ -39,7 +39,7 @@ __device__ __forceinline__ void forward_item(const ForwardParams& p, int item, i
   const int num_rows = (p.q_indptr[item + 1] - slot0) * g;
   const int kv_len = p.kv_len[item];
   const int kv_start = p.kv_start[item];
-  const int32_t* pages = p.kv_pages + p.kv_page_indptr[item];
+  const int32_t* pages = p.kv_pages + p.kv_page_offset[item];
   const T* k_base = static_cast<const T*>(p.k) + kv_head * p.k_stride_head;
   const T* v_base = static_cast<const T*>(p.v) + kv_head * p.v_stride_head;
 

@@ -22,7 +22,7 @@ struct PairCursor {
   __device__ __forceinline__ void first(const ForwardParams& p, const WorkRange& range, int col) {
     pos = range.first();
     const int item = range.begin + pos.idx;
-    set(p, range, p.kv_len[item], p.kv_page_indptr[item], col);
+    set(p, range, p.kv_len[item], p.kv_page_offset[item], col);
     fetch_next(p, range);
   }
   // Moves to the next pair; false past the last one.

@@ -48,7 +48,7 @@ struct ForwardParams {
   void* out;           // [T, Hq, D], q's dtype
   void* partial_o;     // [num_partials, Hq, D], q's dtype
   float* partial_lse;  // [num_partials, Hq]
-  const int32_t* kv_page_indptr;
+  const int32_t* kv_page_offset;
   const int32_t* kv_pages;
   const int32_t* kv_start;
   const int32_t* kv_len;

@@ -138,7 +138,7 @@ __device__ __forceinline__ void fetch_pair_after(const ForwardParams& p, const R
   if (pos.w < range.total) {
     const int item = range.begin + pos.idx;
     len = p.kv_len[item];
-    page0 = p.kv_page_indptr[item];
+    page0 = p.kv_page_offset[item];
   }
 }
 

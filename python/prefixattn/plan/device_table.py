@@ -81,13 +81,17 @@ def hint_positions(
 ) -> np.ndarray:
     """Positions in the device table (row * width + column) of every item's pages: the
     columns of the item's KV run in the row of its first request."""
-    kpi = host.kv_page_indptr.astype(np.int64)
     if (host.kv_start % page_size).any():
         raise RuntimeError("prefixattn internal error: a work item starts inside a page")
     _, rep_row = item_rows(host, indptr, row_of)
-    item = np.repeat(np.arange(len(host.kv_len)), np.diff(kpi))
-    col = host.kv_start[item].astype(np.int64) // page_size + (np.arange(kpi[-1]) - kpi[item])
-    return (rep_row[item] * width + col).astype(np.int32)
+    npages = -(-host.kv_len.astype(np.int64) // page_size)
+    item = np.repeat(np.arange(len(host.kv_len)), npages)
+    k = np.arange(len(item)) - np.repeat(np.cumsum(npages) - npages, npages)
+    col = host.kv_start[item].astype(np.int64) // page_size + k
+    # Items that share stored pages write the same page ids (each item's rows hold them).
+    positions = np.zeros(len(host.kv_pages), dtype=np.int64)
+    positions[host.kv_page_offset[item].astype(np.int64) + k] = rep_row[item] * width + col
+    return positions.astype(np.int32)
 
 
 def hint_checks(
@@ -99,7 +103,7 @@ def hint_checks(
     slot_row, rep_row = item_rows(host, indptr, row_of)
     slots: np.ndarray = np.diff(host.q_indptr).astype(np.int64)
     item = np.repeat(np.arange(len(host.kv_len)), slots)
-    npages = np.diff(host.kv_page_indptr.astype(np.int64))[item]
+    npages = -(-host.kv_len.astype(np.int64) // page_size)[item]
     keep = (slot_row != rep_row[item]) & (npages > 0)
     col0 = host.kv_start[item].astype(np.int64) // page_size
     a0 = slot_row * width + col0

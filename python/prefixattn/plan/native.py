@@ -35,7 +35,7 @@ _FOREST_FIELDS = (
     "ending_reqs", "children_indptr", "children",
 )  # fmt: skip
 _PLAN_FIELDS = (
-    "kv_page_indptr", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_offset", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "tile_indptr", "merge_tokens", "merge_indptr", "merge_partials",
 )  # fmt: skip
 _NUM_FIELDS = len(_FOREST_FIELDS) + len(_PLAN_FIELDS)  # int32 arrays in the op's first output

@@ -208,6 +208,56 @@ def _segment_rank(seg: np.ndarray, num_segments: int) -> tuple[np.ndarray, np.nd
     return np.arange(len(seg)) - starts[seg], sizes
 
 
+def page_runs(
+    block_table: np.ndarray, row: np.ndarray, col: np.ndarray, npages: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Store the page ids items read: item ``w`` reads ``npages[w]`` entries of
+    ``block_table[row[w]]`` from column ``col[w]``. Overlapping or adjacent column ranges of
+    one row form one run; runs are stored in (row, first column) order. Returns each item's
+    offset of its first page in the stored ids (0 for an item without pages) and the ids.
+
+    Worked example: items (row 0, cols 0-3), (row 1, cols 2-3), (row 0, cols 2-5): runs
+    row 0 cols 0-5 (offset 0) and row 1 cols 2-3 (offset 6); offsets [0, 6, 2].
+    """
+    offset = np.zeros(len(row), dtype=np.int64)
+    has = np.flatnonzero(npages > 0)
+    if not len(has):
+        return offset, np.zeros(0, dtype=block_table.dtype)
+    o = has[np.lexsort((col[has], row[has]))]
+    r, c, e = row[o], col[o], col[o] + npages[o]
+    # The furthest end so far in the same row (rows ascend and ends are below width + 1).
+    reach = np.maximum.accumulate(r * (block_table.shape[1] + 1) + e) - r * (
+        block_table.shape[1] + 1
+    )
+    opens = np.ones(len(o), dtype=bool)
+    opens[1:] = (r[1:] != r[:-1]) | (c[1:] > reach[:-1])
+    first = np.flatnonzero(opens)
+    run = np.cumsum(opens) - 1
+    run_row, run_col = r[first], c[first]
+    run_len = np.maximum.reduceat(e, first) - run_col
+    base = np.concatenate(([0], np.cumsum(run_len)[:-1]))
+    offset[o] = base[run] + c - run_col[run]
+    total = int(run_len.sum())
+    if total >= 2**31:
+        raise ValueError("the plan's page ids exceed int32 offsets")
+    if total <= 16 * len(first):
+        # Few pages per run: one gather is cheaper than a slice per run.
+        cols = np.arange(total) + np.repeat(run_col - base, run_len)
+        pages = block_table[np.repeat(run_row, run_len), cols]
+    else:
+        pages = np.concatenate(
+            [
+                block_table[a, b : b + n]
+                for a, b, n in zip(
+                    run_row.tolist(), run_col.tolist(), run_len.tolist(), strict=True
+                )
+            ]
+        )
+    if pages.max() >= 2**31:
+        raise IndexError(f"block_table holds page id {int(pages.max())}, beyond int32 range")
+    return offset, pages
+
+
 def pack(
     forest: PrefixForest,
     block_table: np.ndarray,
@@ -380,27 +430,14 @@ def pack(
     new_id[perm] = np.arange(num_items)
     tile_indptr = tuple(np.searchsorted(tid, np.arange(len(tiles) + 1)).tolist())
 
-    # 5. Pages of each item: its representative request's block-table row.
+    # 5. Pages of each item: a run of its representative request's block-table row. Items
+    #    that read overlapping or adjacent columns of one row share one stored run, so the
+    #    page ids stored are at most the block table's used entries (a chunked prefill's row
+    #    chunks all read the same context: stored once, not once per chunk).
     w_begin = part_begin[perm]
     w_len = part_len[perm]
-    w_pages = -(-w_len // ps)
     w_row = chunk_req[part_chunk[perm]]
-    page_indptr = np.concatenate(([0], np.cumsum(w_pages)))
-    total_pages = int(page_indptr[-1])
-    if total_pages <= 16 * max(num_items, 1):
-        # Few pages per item: one gather is cheaper than a slice per item.
-        col = np.arange(total_pages) + np.repeat(w_begin // ps - page_indptr[:-1], w_pages)
-        pages = block_table[np.repeat(w_row, w_pages), col]
-    else:
-        first_col = (w_begin // ps).tolist()
-        pages = np.concatenate(
-            [
-                block_table[r, c : c + n]
-                for r, c, n in zip(w_row.tolist(), first_col, w_pages.tolist(), strict=True)
-            ]
-        )
-    if pages.size and pages.max() >= 2**31:
-        raise IndexError(f"block_table holds page id {int(pages.max())}, beyond int32 range")
+    page_offset, pages = page_runs(block_table, w_row, w_begin // ps, -(-w_len // ps))
 
     # 6. Query slots in item order.
     w_of_slot = new_id[s_part]
@@ -422,8 +459,8 @@ def pack(
 
     i32 = np.int32
     host = PlanArrays(
-        kv_page_indptr=page_indptr.astype(i32),
-        kv_pages=np.asarray(pages).astype(i32),
+        kv_page_offset=page_offset.astype(i32),
+        kv_pages=pages.astype(i32),
         kv_start=w_begin.astype(i32),
         kv_len=w_len.astype(i32),
         q_indptr=q_indptr.astype(i32),

@@ -34,7 +34,7 @@ from .tiles import TileTable
 from .types import PlanArrays
 
 DEVICE_ARRAYS = (
-    "kv_page_indptr", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
+    "kv_page_offset", "kv_pages", "kv_start", "kv_len", "q_indptr", "q_tokens", "q_limit",
     "q_out", "tile_id", "merge_tokens", "merge_indptr", "merge_partials",
 )  # fmt: skip
 """The plan arrays that go to the device (besides ``counts``), in load order."""
@@ -98,12 +98,11 @@ def estimate_plan(
 ) -> PlanEstimate:
     """The plans' size from the lengths (O(batch), before any planning).
 
-    Each request's new tokens go in row chunks of at most ``max_rows // group_size`` tokens,
-    and each chunk lists the pages up to its last token's causal bound (the per-request
-    plan; sharing makes prefix-aware plans smaller). A 64K-token chunk into a 1M-token
-    context at page size 1 makes 2048 chunks of about 1M pages each. The plans the planner
-    may build for one call count together (the narrow table's, of smaller chunks, is built
-    beside the first).
+    Each request's new tokens go in row chunks of at most ``max_rows // group_size`` tokens
+    (the per-request plan; sharing makes prefix-aware plans smaller). The chunks of one
+    request read runs of the same block-table row, which the plan stores once, so the page ids
+    are at most the requests' pages. The plans the planner may build for one call count
+    together (the narrow table's, of smaller chunks, is built beside the first).
     """
     n = np.diff(indptr).astype(np.float64)
     live = n > 0
@@ -115,9 +114,7 @@ def estimate_plan(
     for t in tables:
         per_chunk = max(1, t.max_rows // group_size)
         c = np.ceil(n / per_chunk)
-        # Chunk j (of c) reaches position len - n + (j + 1) * per_chunk; the last one len.
-        reach = (c - 1) * (length - n) + per_chunk * (c - 1) * c / 2 + length
-        pages += float((reach / page_size + c).sum())
+        pages += float(np.ceil(length / page_size).sum())
         items += float(c.sum())
         slots += float(n.sum())
     nodes = 2 * batch * len(tables)  # forest nodes and their items
@@ -143,12 +140,10 @@ def check_plan_size(
         return
     est = estimate_plan(lens, indptr, page_size, group_size, tiles)
     if est.nbytes > max_bytes:
-        per_chunk = max(1, tiles.max_rows // group_size)
         raise MemoryError(
             f"prefixattn: planning this batch would take {est.describe()} of host memory, "
             f"more than PlanOptions.max_plan_bytes = {max_bytes} ({max_bytes / 2**30:.2f} "
-            f"GiB). Every chunk of up to {per_chunk} query tokens lists the pages of its "
-            f"whole context: use a larger page_size or shorter prefill chunks, or raise "
+            f"GiB): use a larger page_size or shorter prefill chunks, or raise "
             f"max_plan_bytes (None: no limit)"
         )
 

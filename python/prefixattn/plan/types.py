@@ -55,7 +55,7 @@ class PlanArrays:
     Field meanings are those of the same-named :class:`LaunchPlan` fields.
     """
 
-    kv_page_indptr: np.ndarray
+    kv_page_offset: np.ndarray
     kv_pages: np.ndarray
     kv_start: np.ndarray
     kv_len: np.ndarray
@@ -76,8 +76,11 @@ class LaunchPlan:
 
     Work-item arrays (W = ``num_work_items``), int32 tensors on ``device``:
 
-    kv_page_indptr: [W+1]
-        Item ``w`` reads pages ``kv_pages[kv_page_indptr[w] : kv_page_indptr[w+1]]``.
+    kv_page_offset: [W]
+        Item ``w`` reads pages ``kv_pages[kv_page_offset[w] :][: ceil(kv_len[w] / page_size)]``.
+        Items may share stored pages: the pages read from one block-table row are stored once
+        per run of columns (a chunked prefill's row chunks read the same context), so ``P``
+        is at most the block table's used entries.
     kv_pages: [P]
         Physical page ids (rows of the KV cache's page dimension).
     kv_start: [W]
@@ -158,7 +161,7 @@ class LaunchPlan:
     qo_bytes: int
     # Device arrays.
     device: torch.device
-    kv_page_indptr: torch.Tensor
+    kv_page_offset: torch.Tensor
     kv_pages: torch.Tensor
     kv_start: torch.Tensor
     kv_len: torch.Tensor

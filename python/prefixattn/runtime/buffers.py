@@ -112,7 +112,7 @@ class Workspace:
 def buffer_sizes(w: int, p: int, s: int, t: int) -> dict[str, int]:
     """Plan buffer sizes for ``w`` items, ``p`` page ids, ``s`` slots and ``t`` tokens."""
     return dict(
-        kv_page_indptr=w + 1, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
+        kv_page_offset=w, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
         q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
         merge_partials=s, counts=COUNTS_LEN,
     )  # fmt: skip

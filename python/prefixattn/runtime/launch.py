@@ -73,7 +73,7 @@ def run_plan(
         out,
         workspace.partial_o,
         workspace.partial_lse,
-        plan.kv_page_indptr,
+        plan.kv_page_offset,
         plan.kv_pages,
         plan.kv_start,
         plan.kv_len,

@@ -51,8 +51,9 @@ def run_plan_reference(
     # The plan's own page array (for plan_unshared the host array holds table positions).
     kv_pages = plan.kv_pages.to(device=dev, dtype=torch.long)
     for w in range(plan.num_work_items):
-        p0, p1 = int(h.kv_page_indptr[w]), int(h.kv_page_indptr[w + 1])
         kv_len = int(h.kv_len[w])
+        p0 = int(h.kv_page_offset[w])
+        p1 = p0 + -(-kv_len // plan.page_size)
         k = _gather(k_cache, kv_pages[p0:p1], plan.kv_layout)[:kv_len].to(cdt)
         v = _gather(v_cache, kv_pages[p0:p1], plan.kv_layout)[:kv_len].to(cdt)
         s0, s1 = int(h.q_indptr[w]), int(h.q_indptr[w + 1])
