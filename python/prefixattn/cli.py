@@ -175,8 +175,15 @@ def plan_bench(argv: list[str] | None = None) -> int:
         "--no-narrow", action="store_true",
         help="plan with the default tile table alone (no narrow alternative plan)",
     )  # fmt: skip
+    parser.add_argument(
+        "--chunk", type=_chunk_arg, metavar="TOKENS,CONTEXT",
+        help="instead of --tree: one request's prefill chunk of TOKENS new tokens into a "
+        "CONTEXT-token context (e.g. 16384,1048576); also reports the host memory it takes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hq, hkv = args.heads
+    if args.chunk is not None:
+        return _chunk_bench(args, hq, hkv)
     tree = args.tree
     print(
         f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}"
@@ -203,6 +210,56 @@ def plan_bench(argv: list[str] | None = None) -> int:
                 f"page_size {ps:>3} {impl:>6}: block table {bt.shape[0]}x{bt.shape[1]}, "
                 f"plan median {np.median(t):.3f} ms (min {t.min():.3f}, "
                 f"p90 {np.percentile(t, 90):.3f}) over {args.repeat} runs, {items} items"
+            )
+    return 0
+
+
+def _chunk_arg(text: str) -> tuple[int, int]:
+    try:
+        tokens, context = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKENS,CONTEXT, got {text!r}") from None
+    if not 0 < tokens <= context < 2**31:
+        raise argparse.ArgumentTypeError(
+            f"need 0 < TOKENS <= CONTEXT < 2**31, got {tokens},{context}"
+        )
+    return tokens, context
+
+
+def _chunk_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
+    """Plan one prefill chunk into a long context: time and peak host memory growth (the
+    process's maximum resident set, so the first plan of the largest case shows it)."""
+    import resource
+
+    tokens, context = args.chunk
+    rng = np.random.default_rng(0)
+    print(f"prefill chunk of {tokens} tokens into a {context}-token context, heads {hq}/{hkv}")
+    for ps in args.page_sizes:
+        cols = -(-context // ps)
+        table = rng.permutation(cols).astype(np.int32)[None, :]
+        lens, indptr = np.array([context]), np.array([0, tokens])
+        pa = PrefixAttention(hq, hkv, 128, ps)
+        impls = ("native", "python") if args.impl == "both" else (args.impl,)
+        for impl in impls:
+            pa.native_plan = impl == "native"
+            if impl == "native" and not library.native_plan_available():
+                print(f"page_size {ps:>3}: the native planner is not built")
+                continue
+            pa.plan(table[:, : min(cols, 64)], np.array([min(context, 64 * ps)]), np.array([0, 1]))
+            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            times = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                pa.plan(table, lens, indptr)
+                times.append(time.perf_counter() - t0)
+            grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024  # KiB
+            t = np.asarray(times) * 1e3
+            plan = pa.last_plan
+            assert plan is not None
+            print(
+                f"page_size {ps:>3} {impl:>6}: plan median {np.median(t):.1f} ms (min "
+                f"{t.min():.1f}) over {args.repeat} runs, peak memory growth {grew:.0f} MiB, "
+                f"{plan.num_work_items} items, {len(plan.host.kv_pages)} page ids"
             )
     return 0
 

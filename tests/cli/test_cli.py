@@ -30,6 +30,14 @@ def test_plan_bench(capsys: pytest.CaptureFixture[str]) -> None:
     assert "plan median" in capsys.readouterr().out
 
 
+def test_plan_bench_chunk(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan-bench", "--chunk", "256,65536", "--page-sizes", "1,16", "--repeat", "2"]
+    assert main([*argv, "--impl", "python"]) == 0
+    out = capsys.readouterr().out
+    # The 8 row chunks share the context's page ids: stored once per page size.
+    assert "8 items, 65536 page ids" in out and "8 items, 4096 page ids" in out
+
+
 def test_heads_take_both_forms(capsys: pytest.CaptureFixture[str]) -> None:
     for heads in ("8/2", "8,2"):
         assert main(["demo", "--tree", "1,2_16,3", "--heads", heads, "--page-size", "4"]) == 0
@@ -54,6 +62,8 @@ def test_heads_take_both_forms(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan-bench", "--page-sizes", "16,x"], "argument --page-sizes"),
         (["plan-bench", "--repeat", "0"], "argument --repeat"),
         (["plan-bench", "--heads", "8"], "argument --heads"),
+        (["plan-bench", "--chunk", "16"], "argument --chunk: expected TOKENS,CONTEXT"),
+        (["plan-bench", "--chunk", "32,16"], "need 0 < TOKENS <= CONTEXT"),
         (["bench", "--heads", "32:8"], "argument --heads"),
         (["bench", "--head-dim", "96"], "argument --head-dim"),
     ],
