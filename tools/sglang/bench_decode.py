@@ -27,6 +27,10 @@ and summarised, so the JSON shows that every timed step ran all B requests in a 
 
     python -m tools.sglang.bench_decode --out DIR [--batch 256] [--budget 520]
 
+``--backends`` may also name ``noattn``, the attention-free bound (``tools/sglang/noattn.py``:
+triton's metadata path, no KV reads or writes, no attention math; registered in that engine's
+processes only); the results then give each backend's step as a percent of the bound's.
+
 ``--profile DIR`` also records one more generation per workload with SGLang's torch profiler
 (outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
 adapter's host ranges, and per decode step between graph launches: the attention kernels'
@@ -64,6 +68,8 @@ LLAMA_8B = {
 TAIL = 64
 DEFAULT_WORKLOADS = ["shared1:1024", "shared1:4096", "shared3:4096", "none:1024"]
 BACKENDS = ["prefixattn", "flashinfer", "triton"]
+BOUND = "noattn"
+"""The attention-free bound (``tools/sglang/noattn.py``), run when named in ``--backends``."""
 
 
 def workload(spec: str, batch: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -110,6 +116,10 @@ def bench_backend(
     after each, so a later failure keeps the earlier ones)."""
     import sglang as sgl
 
+    if backend == BOUND:
+        from tools.sglang.noattn import register
+
+        register()
     t0 = time.time()
     llm = sgl.Engine(
         model_path=model, load_format="dummy", skip_tokenizer_init=True,
@@ -193,8 +203,13 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
            "--out", str(out), "--batch", str(args.batch), "--first", str(args.first),
            "--steps", str(args.steps), "--repeat", str(args.repeat), "--workloads", *args.workloads,
            *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
+    env = None
+    if backend == BOUND:  # registered in the engine's processes only (SGLang plugin)
+        from tools.sglang.noattn import plugin_env
+
+        env = plugin_env(out / "noattn-plugin")
     t0 = time.monotonic()
-    code = run_in_group(cmd, timeout, log)
+    code = run_in_group(cmd, timeout, log, env=env)
     wall = round(time.monotonic() - t0, 1)
     print(f"{backend}: exit {code} after {wall} s (log {log})", flush=True)
     data: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
@@ -263,6 +278,14 @@ def main() -> int:
             if pa and other and b != "prefixattn":
                 speedup.setdefault(spec, {})[b] = round(other / pa, 3)
     results["prefixattn_speedup"] = speedup
+    bound = steps.get(BOUND, {})
+    results["pct_of_bound"] = {
+        spec: {b: round(100 * bound[spec] / steps[b][spec], 1) for b in args.backends
+               if b != BOUND and steps[b].get(spec)}
+        for spec in args.workloads if bound.get(spec)
+    }  # fmt: skip
+    if results["pct_of_bound"]:
+        print("step time of the bound as % of each backend's:", json.dumps(results["pct_of_bound"]))
     if args.profile:
         results["profile"] = summarize_traces(Path(args.profile), step_marker="cudaGraphLaunch")
     (args.out / "bench_decode.json").write_text(json.dumps(results, indent=1))

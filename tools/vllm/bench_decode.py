@@ -13,6 +13,11 @@ Workloads, each B requests (``--batches``, up to 256) of token-id prompts:
 - ``none``: nothing shared, ``--none-len`` (1024) private tokens each (B x 4096 private tokens
   would not fit in an 80 GB GPU's KV cache).
 
+``--backends`` may also name ``NOATTN``, the attention-free bound (``tools/vllm/noattn.py``:
+FLASH_ATTN's metadata path, no KV reads or writes, no attention math). Its backend is
+registered in the worker process, so with it in the run every backend's engine core runs in
+its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike.
+
 Prefix caching is on (vLLM's default), so a shared prefix is stored once. Decode step time, per
 workload: one generation with ``max_tokens=1`` stores every prompt in the prefix cache; then
 greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), timed alternately
@@ -52,6 +57,8 @@ from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
+BOUND = "NOATTN"
+"""The attention-free bound (``tools/vllm/noattn.py``), run when named in ``--backends``."""
 PROFILE_TOKENS = 12
 WORKLOADS = ("shared1", "tree", "none")
 
@@ -113,9 +120,17 @@ def worker_info(worker: Any) -> dict:
 
 def run_worker(args: argparse.Namespace) -> None:
     """One backend, in this process; writes ``args.result`` after every workload."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    if args.in_process:
+        # The engine core in this process, where the bound's backend is registered (every
+        # backend of the run alike, so the step times compare).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.worker == BOUND:
+        from tools.vllm.noattn import register
+
+        register()
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
     compilation: dict[str, Any] = {}
     if args.capture_sizes != "default":
         compilation["cudagraph_capture_sizes"] = [int(x) for x in args.capture_sizes.split(",")]
@@ -194,6 +209,7 @@ def main() -> int:
                     help="after each timing, profile one more generation of "
                          f"{PROFILE_TOKENS} tokens into DIR/BACKEND and summarize the traces "
                          "(tools/trace_summary.py)")  # fmt: skip
+    ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -222,6 +238,7 @@ def main() -> int:
         "--reps", str(args.reps), "--max-model-len", str(args.max_model_len),
         "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
         *(["--profile", args.profile] if args.profile else []),
+        *(["--in-process"] if BOUND in args.backends else []),
     ]  # fmt: skip
     for i, backend in enumerate(args.backends):
         timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
@@ -256,6 +273,15 @@ def main() -> int:
         for b in results["step_ms"]
         if b != "CUSTOM"
     }
+    bound = results["step_ms"].get(BOUND, {})
+    results["pct_of_bound"] = {
+        b: {
+            kind: {bs: round(100 * bound[kind][bs] / ms, 1) for bs, ms in per.items()
+                   if ms > 0 and bound.get(kind, {}).get(bs)}
+            for kind, per in results["step_ms"][b].items()
+        }
+        for b in results["step_ms"] if b != BOUND and bound
+    }  # fmt: skip
     if args.profile:
         results["profile"] = summarize_traces(Path(args.profile))
     Path(args.out).write_text(json.dumps(results, indent=1))
