@@ -283,7 +283,7 @@ def main() -> int:
         for b in results["step_ms"] if b != BOUND and bound
     }  # fmt: skip
     if args.profile:
-        results["profile"] = summarize_traces(Path(args.profile))
+        results["profile"] = summarize_traces(Path(args.profile), step_marker="cudaGraphLaunch")
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(json.dumps(results["step_ms"]), flush=True)
     complete = all(
