@@ -1,0 +1,328 @@
+"""The serving benchmark (tools/serving) without a GPU: workload structure, statistics, the
+report, argument checks and the dry run; the bound backends against the installed engines
+(skipped where vLLM or SGLang is absent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.serving import bench, engines
+from tools.serving import workloads as wl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def small(**over):
+    sizes = wl.parse_sizes([])
+    for key, value in over.items():
+        w, k = key.split("__")
+        sizes[w][k] = value
+    return sizes
+
+
+def test_forest_shares_exactly_system_and_template() -> None:
+    sizes = small(forest__requests=96)
+    s = sizes["forest"]
+    (w,) = wl.build("forest", sizes, seed=3)
+    reqs = w.rounds[0]
+    assert len(reqs) == 96
+    by_tag: dict[str, list] = {}
+    for q in reqs:
+        by_tag.setdefault(q.tag, []).append(q.prompt)
+        user = len(q.prompt) - s["system_len"] - s["template_len"]
+        assert s["user_min"] <= user <= s["user_max"]
+        assert s["out_min"] <= q.max_tokens <= s["out_max"]
+        assert all(wl.MIN_TOKEN <= t < wl.VOCAB for t in q.prompt)
+    assert len(by_tag) == s["systems"] * s["templates"]
+    shared = s["system_len"] + s["template_len"]
+    for prompts in by_tag.values():
+        assert all(common_prefix(prompts[0], p) == shared for p in prompts[1:])
+    # Same system, other template: the system prompt only; other system: nothing.
+    assert common_prefix(by_tag["s0/t0"][0], by_tag["s0/t1"][0]) == s["system_len"]
+    assert common_prefix(by_tag["s0/t0"][0], by_tag["s1/t0"][0]) == 0
+    # Interleaved: the first batch already spans several templates.
+    assert len({q.tag for q in reqs[:16]}) > 4
+    distinct = wl.distinct_tokens([q.prompt for q in reqs])
+    user_total = sum(len(q.prompt) - shared for q in reqs)
+    assert (
+        distinct
+        == s["systems"] * (s["system_len"] + s["templates"] * s["template_len"]) + user_total
+    )
+
+
+def test_multiturn_prompts_extend_the_previous_turn() -> None:
+    sizes = small(multiturn__conversations=5, multiturn__turns=3)
+    (w,) = wl.build("multiturn", sizes, seed=1)
+    assert len(w.rounds) == 3 and all(len(r) == 5 for r in w.rounds)
+    first = wl.resolve_prompts(w.rounds[0])
+    system = sizes["multiturn"]["system_len"]
+    assert all(common_prefix(first[0], p) >= system for p in first[1:])
+    assert all(q.follows is None for q in w.rounds[0])
+    rng = random.Random(0)
+    outputs = [[rng.randrange(10, 100) for _ in range(q.max_tokens)] for q in w.rounds[0]]
+    second = wl.resolve_prompts(w.rounds[1], first, outputs)
+    for c, q in enumerate(w.rounds[1]):
+        assert q.follows == c
+        assert second[c] == first[c] + outputs[c] + list(q.prompt)
+    assert wl.resolve_prompts([wl.Request((8, 9), 1, follows=0)], [[5, 6]], [[7]]) == [
+        [5, 6, 7, 8, 9]
+    ]
+
+
+def test_sizes_follow_the_arguments() -> None:
+    sizes = wl.parse_sizes(["parallel.n=12", "parallel.prompts=3", "decode.requests=7",
+                            "decode.prefix=100", "lowload.concurrency=2,8"])  # fmt: skip
+    (p,) = wl.build("parallel", sizes)
+    assert [q.n for q in p.rounds[0]] == [12] * 3 and p.temperature > 0
+    assert p.output_tokens == 3 * 12 * sizes["parallel"]["out"]
+    (d,) = wl.build("decode", sizes)
+    prompts = [q.prompt for q in d.rounds[0]]
+    assert len(prompts) == 7 and all(common_prefix(prompts[0], x) == 100 for x in prompts[1:])
+    assert all(q.max_tokens == sizes["decode"]["out"] for q in d.rounds[0])
+    low = wl.build("lowload", sizes)
+    assert [(w.name, w.concurrency, w.num_requests) for w in low] == [
+        ("lowload-c2", 2, 8), ("lowload-c8", 8, 32)
+    ]  # fmt: skip
+    assert wl.expand_names(["chat", "lowload"], sizes) == ["chat", "lowload-c2", "lowload-c8"]
+    (c,) = wl.build("chat", sizes)
+    assert wl.distinct_tokens([q.prompt for q in c.rounds[0]]) == sum(
+        len(q.prompt) for q in c.rounds[0]
+    )
+    (lp,) = wl.build("longprompt", sizes)
+    assert {len(q.prompt) for q in lp.rounds[0]} == {sizes["longprompt"]["prompt_len"]}
+
+
+def test_deterministic_by_seed() -> None:
+    for name in wl.WORKLOADS:
+        assert wl.build(name, seed=5) == wl.build(name, seed=5)
+        assert wl.build(name, seed=5) != wl.build(name, seed=6)
+
+
+@pytest.mark.parametrize(
+    "item",
+    ["forest.requests", "forest.nope=3", "nope.x=1", "forest.requests=a", "chat.out_min=1,2"],
+)
+def test_bad_sizes(item: str) -> None:
+    with pytest.raises(ValueError, match="bad size"):
+        wl.parse_sizes([item])
+
+
+def test_percentile_and_spread() -> None:
+    assert engines.percentile([4, 1, 3, 2], 50) == 2.5
+    assert engines.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert engines.percentile([7], 99) == 7
+    assert engines.percentile([1, 2, 3, 4], 0) == 1 and engines.percentile([1, 2, 3, 4], 100) == 4
+    with pytest.raises(ValueError):
+        engines.percentile([], 50)
+    assert engines.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0}
+
+
+def test_run_metrics_and_summary() -> None:
+    m = engines.run_metrics(2.0, 1000, 500, ttft_s=[0.1, 0.3], itl_s=[0.01, 0.02, 0.03])
+    assert m["output_tok_s"] == 250 and m["total_tok_s"] == 750
+    assert m["ttft_ms_p50"] == 200 and m["itl_ms_p50"] == 20
+    offline = engines.run_metrics(2.0, 1000, 500)
+    assert "ttft_ms_p50" not in offline
+    s = engines.summarize_reps([m, {**m, "output_tok_s": 300.0}, {**m, "output_tok_s": 100.0}])
+    assert s["output_tok_s"] == {"median": 250, "min": 100, "max": 300} and s["reps"] == 3
+
+
+def test_stream_latencies() -> None:
+    s = engines.Stream(start=10.0)
+    s.chunks = [(10.5, 1), (10.6, 1), (10.9, 3)]
+    assert s.ttft == pytest.approx(0.5)
+    assert s.itl() == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    rng = random.Random(0)
+    times = engines.arrival_times(4000, 8.0, rng)
+    assert times[0] == 0 and times == sorted(times)
+    assert times[-1] / len(times) == pytest.approx(1 / 8, rel=0.1)
+
+
+def fake_run(tok_s: float, ttft: float | None = None) -> dict:
+    r = {"output_tok_s": {"median": tok_s, "min": tok_s, "max": tok_s}}
+    if ttft is not None:
+        for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
+            r[k] = {"median": ttft, "min": ttft, "max": ttft}
+    return r
+
+
+def test_percent_of_bound_and_markdown(tmp_path) -> None:
+    args = bench.parse_args(["--engine", "vllm", "--workloads", "decode", "lowload",
+                             "--size", "lowload.concurrency=1,4", "--out", str(tmp_path / "r.json")])  # fmt: skip
+    runs = {
+        "bound": {"finished": True, "workloads": {"decode": fake_run(1000), "lowload-c1": fake_run(200),
+                                                  "lowload-c4": fake_run(400)}},
+        "prefixattn": {"finished": True, "workloads": {"decode": fake_run(870), "lowload-c1": fake_run(150)}},
+        "FLASH_ATTN": {"finished": False, "error": "exited 1", "workloads": {}},
+    }  # fmt: skip
+    result = bench.collect(args, runs)
+    assert result["results"]["decode"]["prefixattn"]["pct_of_bound"] == 87.0
+    assert result["results"]["decode"]["bound"]["pct_of_bound"] == 100.0
+    assert result["results"]["lowload-c1"]["prefixattn"]["pct_of_bound"] == 75.0
+    assert "prefixattn" not in result["results"]["lowload-c4"]
+    assert result["backends"]["FLASH_ATTN"]["error"] == "exited 1"
+    assert result["workloads"]["lowload-c4"]["concurrency"] == 4
+    table = bench.markdown(result)
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| workload | bound | prefixattn | FLASH_ATTN | FLASHINFER |"
+    assert rows[1] == "| decode | 1,000 (100%) | 870 (87%) | - | - |"
+    assert rows[3] == "| lowload-c4 | 400 (100%) | - | - | - |"
+    json.dumps(result)  # the report is plain JSON
+
+
+def test_online_markdown_has_latencies() -> None:
+    args = bench.parse_args(["--engine", "sglang", "--mode", "online", "--workloads", "chat"])
+    runs = {"bound": {"workloads": {"chat": fake_run(500, 12.0)}},
+            "prefixattn": {"workloads": {"chat": fake_run(450, 20.0)}}}  # fmt: skip
+    table = bench.markdown(bench.collect(args, runs))
+    assert "| chat | 500 (100%) | 450 (90%) | - | - | - |" in table
+    assert "| chat | 12.0 / 12.0 | 20.0 / 20.0 | - | - | - |" in table
+    assert "time to first token" in table and "inter-token latency" in table
+
+
+def test_plot(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    args = bench.parse_args(["--engine", "vllm", "--workloads", "decode"])
+    runs = {"bound": {"workloads": {"decode": fake_run(1000)}},
+            "prefixattn": {"workloads": {"decode": fake_run(870)}}}  # fmt: skip
+    bench.plot(bench.collect(args, runs), tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "vllm", "--workloads", "forrest"], "invalid choice: 'forrest'"),
+        (["--engine", "vllm", "--backends", "fa3"], "unknown backend(s) for vllm: fa3"),
+        (["--engine", "sglang", "--backends", "bound", "FLASH_ATTN"], "unknown backend(s) for sglang"),
+        (["--engine", "tgi"], "invalid choice: 'tgi'"),
+        (["--engine", "vllm", "--size", "forest.users=3"], "bad size 'forest.users=3'"),
+        (["--engine", "vllm", "--backends", "bound", "bound"], "twice"),
+        (["--engine", "vllm", "--reps", "0"], "--reps must be at least 1"),
+    ],
+)  # fmt: skip
+def test_bad_arguments(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_backend_order_and_defaults() -> None:
+    args = bench.parse_args(["--engine", "vllm", "--backends", "FLASH_ATTN", "bound"])
+    assert args.backends == ["bound", "FLASH_ATTN"]
+    args = bench.parse_args(["--engine", "sglang"])
+    assert args.backends == list(bench.BACKENDS["sglang"]) and args.workloads == list(wl.WORKLOADS)
+
+
+def test_worker_environment(tmp_path) -> None:
+    offline = bench.parse_args(["--engine", "vllm"])
+    online = bench.parse_args(["--engine", "vllm", "--mode", "online"])
+    for b in bench.BACKENDS["vllm"]:
+        assert bench.worker_env(offline, b, tmp_path) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        assert bench.worker_env(online, b, tmp_path) == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    sgl = bench.parse_args(["--engine", "sglang"])
+    assert bench.worker_env(sgl, "fa3", tmp_path) == {}
+    env = bench.worker_env(sgl, "bound", tmp_path)
+    plugin = tmp_path / "noattn-plugin"
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(plugin), str(ROOT)]
+    eps = (plugin / "prefixattn_bench_noattn-0.0.dist-info" / "entry_points.txt").read_text()
+    assert "[sglang.srt.plugins]" in eps and "tools.sglang.noattn:register" in eps
+
+
+def test_dry_run_imports_no_engine() -> None:
+    code = (
+        "import sys; from tools.serving import bench;"
+        "bench.main(['--engine', 'sglang', '--dry-run', '--workloads', 'forest', 'lowload']);"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang', 'torch')]"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "backends bound prefixattn fa3 triton flashinfer" in out
+    assert "lowload-c16" in out and "--worker bound" in out and "PYTHONPATH=" in out
+
+
+def test_vllm_bound_backend() -> None:
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from tools.vllm import noattn
+
+    assert issubclass(noattn.NoAttentionBackend, FlashAttentionBackend)
+    assert issubclass(noattn.NoAttentionImpl, FlashAttentionImpl)
+    b = noattn.NoAttentionBackend
+    assert b.get_builder_cls() is FlashAttentionBackend.get_builder_cls()
+    assert b.forward_includes_kv_cache_update is False
+    noattn.register()
+    noattn.register()
+    member = AttentionBackendEnum[noattn.NAME]
+    assert member.get_class() is b
+    assert AttentionBackendEnum[b.get_name()] is member  # vLLM's Attention layer looks it up
+    from vllm.config.attention import AttentionConfig
+
+    assert AttentionConfig.validate_backend_before("NOATTN") is member
+    impl = object.__new__(noattn.NoAttentionImpl)  # the constructor needs a GPU's FA version
+    out = torch.ones(5, 4, 8)
+    assert impl.forward(None, out, out, out, None, None, output=out) is out
+    assert not out.any()
+    impl.do_kv_cache_update(None, out, out, None, None)  # writes nothing, needs no cache
+
+
+def test_sglang_bound_backend(tmp_path) -> None:
+    pytest.importorskip("sglang")
+    torch = pytest.importorskip("torch")
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from tools.sglang import noattn
+
+    cls = noattn.backend_class()
+    assert issubclass(cls, TritonAttnBackend)
+    backend: Any = object.__new__(cls)  # the constructor needs a model runner on a GPU
+    layer = types.SimpleNamespace(tp_q_head_num=4, qk_head_dim=8, v_head_dim=8)
+    q = torch.ones(3, 32, dtype=torch.bfloat16)
+    out = backend.forward_decode(q, q, q, layer, types.SimpleNamespace())
+    assert out.shape == (3, 32) and out.dtype == torch.bfloat16 and not out.any()
+    buf = torch.ones(3, 32)
+    fb = types.SimpleNamespace(_attn_output=buf)
+    assert backend.forward_extend(q, q, q, layer, fb) is buf and not buf.any()
+    # The scheduler is a spawned process: it must find the backend through load_plugins().
+    env = noattn.plugin_env(tmp_path / "plugin")
+    code = (
+        "import multiprocessing as mp\n"
+        "def child(q):\n"
+        "    from sglang.srt.plugins import load_plugins\n"
+        "    load_plugins()\n"
+        "    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
+        "    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES\n"
+        "    q.put(('noattn' in ATTENTION_BACKENDS, 'noattn' in ATTENTION_BACKEND_CHOICES))\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn'); q = ctx.Queue()\n"
+        "    p = ctx.Process(target=child, args=(q,)); p.start()\n"
+        "    print('registered', q.get(timeout=300)); p.join()\n"
+    )
+    script = tmp_path / "check.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "registered (True, True)" in done.stdout

@@ -1,0 +1,343 @@
+"""Serving benchmark: prefixattn, the engine's own backends and the attention-free bound.
+
+For vLLM 0.33.0 and SGLang 0.5.23 (the result records the versions it ran). The model is
+``tools/vllm/bench_decode.py``'s 8B-Llama shape with dummy weights (``write_model``), bf16,
+prefix caching on, the engine's default CUDA graphs. Workloads are in
+``tools/serving/workloads.py`` (sizes: ``--size WORKLOAD.KEY=VALUE``).
+
+Backends (``--backends``, default all of the engine's):
+
+- vLLM: ``prefixattn`` (``attention_backend="CUSTOM"``, the installed plugin), ``FLASH_ATTN``,
+  ``FLASHINFER``, ``bound`` (``tools/vllm/noattn.py``, registered as ``NOATTN``);
+- SGLang: ``prefixattn``, ``fa3``, ``triton``, ``flashinfer``, ``bound``
+  (``tools/sglang/noattn.py``, ``noattn``, reaching the scheduler through a plugin entry point
+  put on the bound engine's ``PYTHONPATH`` only).
+
+Each backend runs in its own process group (``tools/proc_group.py``) with a share of
+``--budget`` seconds, the bound first; a worker writes its results after every workload, so a
+timeout keeps what finished, and a backend that fails to start is recorded with its log's tail.
+vLLM's offline engines run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in the
+worker, where the bound is registered); online, ``AsyncLLM`` forks its engine core
+(``VLLM_WORKER_MULTIPROC_METHOD=fork``). Both settings apply to every vLLM backend alike.
+
+- ``--mode offline``: every round's requests at once; output tokens/s (and prompt + output
+  tokens/s), one untimed warm-up, then ``--reps`` runs, each after a prefix-cache reset
+  (median, min, max).
+- ``--mode online``: Poisson arrivals at ``--rate`` requests/s (``lowload``: closed loops of 1,
+  4, 16 clients) through the async API; time to first token and inter-token latency (p50,
+  p99) besides the throughput.
+
+Each backend's median throughput is also given as a percentage of the bound's. Output: the
+JSON (``--out``), a Markdown table next to it (``.md``, also printed) and a bar plot
+(``.png``)::
+
+    python -m tools.serving.bench --engine vllm --workloads forest decode --reps 3
+    python -m tools.serving.bench --engine sglang --mode online --rate 8 --workloads chat
+    python -m tools.serving.bench --engine vllm --dry-run   # the plan, no engine imported
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tools import RESULTS, installed_version
+from tools.proc_group import run_in_group
+from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
+
+BACKENDS = {
+    "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
+    "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
+}
+BOUND = "bound"
+METRIC = "output_tok_s"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.serving.bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--engine", choices=sorted(BACKENDS), required=True)
+    ap.add_argument("--backends", nargs="+", metavar="BACKEND",
+                    help="vllm: " + " ".join(BACKENDS["vllm"]) + "; sglang: "
+                         + " ".join(BACKENDS["sglang"]) + " (default: all; the bound runs "
+                         "first)")  # fmt: skip
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    ap.add_argument("--size", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
+                    help="override a workload size, e.g. forest.requests=320 or "
+                         "lowload.concurrency=1,8 (repeatable)")  # fmt: skip
+    ap.add_argument("--mode", choices=("offline", "online"), default="offline")
+    ap.add_argument("--rate", type=float, default=8.0, help="online: requests per second")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs after the warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gpu-mem", type=float, default=0.85,
+                    help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")  # fmt: skip
+    ap.add_argument("--capture-sizes", default="default",
+                    help="vLLM CUDA graph batch sizes, e.g. 1,2,4,8,16,32,64,128,256 (shorter "
+                         "start); default: vLLM's own list")  # fmt: skip
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all backends")
+    ap.add_argument(
+        "--out", type=Path, help=f"result JSON (default {RESULTS}/serving_ENGINE_MODE.json)"
+    )
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan (backends, workloads, sizes, commands) and exit")  # fmt: skip
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    known = BACKENDS[args.engine]
+    args.backends = args.backends or list(known)
+    bad = [b for b in args.backends if b not in known]
+    if bad:
+        ap.error(f"unknown backend(s) for {args.engine}: {' '.join(bad)} "
+                 f"(choose from {' '.join(known)})")  # fmt: skip
+    if len(set(args.backends)) != len(args.backends):
+        ap.error("--backends lists a backend twice")
+    # The bound first: every later backend's percentage is known as soon as it finishes.
+    args.backends = sorted(args.backends, key=lambda b: b != BOUND)
+    try:
+        args.sizes = parse_sizes(args.size)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    if args.rate <= 0:
+        ap.error("--rate must be positive")
+    if args.out is None:
+        args.out = RESULTS / f"serving_{args.engine}_{args.mode}.json"
+    return args
+
+
+def worker_cmd(args: argparse.Namespace, backend: str, model: str, result: Path) -> list[str]:
+    sizes = [x for s in args.size for x in ("--size", s)]
+    return [
+        sys.executable, "-m", "tools.serving.bench", "--worker", backend, "--model", model,
+        "--result", str(result), "--engine", args.engine, "--mode", args.mode,
+        "--workloads", *args.workloads, *sizes, "--rate", str(args.rate),
+        "--reps", str(args.reps), "--seed", str(args.seed),
+        "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+        "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
+    ]  # fmt: skip
+
+
+def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[str, str]:
+    """The engine variables a backend's worker gets (only those; the rest is inherited)."""
+    if args.engine == "vllm":
+        if args.mode == "offline":
+            return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        return {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    if backend == BOUND:
+        from tools.sglang.noattn import plugin_env
+
+        full = plugin_env(scratch / "noattn-plugin")
+        return {k: v for k, v in full.items() if os.environ.get(k) != v}
+    return {}
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (this process never initializes CUDA)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = done.stdout.strip().splitlines()
+    return names[0].strip() if names else None
+
+
+def percent_of_bound(results: dict[str, dict[str, Any]], metric: str = METRIC) -> None:
+    """Add ``pct_of_bound`` (the median ``metric`` as % of the bound's) to every backend's
+    result of every workload where the bound has one. ``results``: workload -> backend ->
+    summary (``{metric: {"median": ...}}``). Example: bound 1000, prefixattn 870 -> 87.0."""
+    for per in results.values():
+        bound = per.get(BOUND, {}).get(metric, {}).get("median")
+        for r in per.values():
+            value = r.get(metric, {}).get("median")
+            if bound and value is not None:
+                r["pct_of_bound"] = round(100 * value / bound, 1)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Tables for docs/performance.md: median output tokens/s (% of the bound) per workload
+    and backend; online, also TTFT and inter-token latency p50 / p99."""
+    backends = list(result["backends"])
+    per = result["results"]
+    head = "| workload | " + " | ".join(backends) + " |\n|---|" + "---:|" * len(backends) + "\n"
+    lines = [
+        f"{result['engine_label']}, {result.get('gpu') or 'GPU unknown'}, {result['mode']}, "
+        f"8B-Llama shape (dummy weights); median of {result['config']['reps']} runs, "
+        "output tokens/s (% of the attention-free bound)",
+        "",
+        head.rstrip("\n"),
+    ]
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if not r or METRIC not in r:
+            return "-"
+        pct = f" ({r['pct_of_bound']:.0f}%)" if "pct_of_bound" in r else ""
+        return f"{r[METRIC]['median']:,.0f}{pct}"
+
+    for w, rs in per.items():
+        lines.append(f"| {w} | " + " | ".join(cell(rs.get(b)) for b in backends) + " |")
+    if result["mode"] == "online":
+        for name, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
+            lines += ["", f"{label}, ms, p50 / p99 (medians over runs)", "", head.rstrip("\n")]
+            for w, rs in per.items():
+                cells = []
+                for b in backends:
+                    r = rs.get(b) or {}
+                    if f"{name}_p50" in r:
+                        cells.append(
+                            f"{r[f'{name}_p50']['median']:.1f} / {r[f'{name}_p99']['median']:.1f}"
+                        )
+                    else:
+                        cells.append("-")
+                lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    """Bars: each backend's median output tokens/s as % of the bound, per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(result["results"])
+    backends = [b for b in result["backends"] if b != BOUND]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(workloads) + 2), 4))
+    width = 0.8 / max(len(backends), 1)
+    for i, b in enumerate(backends):
+        xs = [k + i * width for k in range(len(workloads))]
+        ys = [result["results"][w].get(b, {}).get("pct_of_bound", 0.0) for w in workloads]
+        bars = ax.bar(xs, ys, width, label=b, color=f"C{i}")
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.axhline(100, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xticks([k + width * (len(backends) - 1) / 2 for k in range(len(workloads))])
+    ax.set_xticklabels(workloads)
+    ax.set_ylabel("output tokens/s, % of the attention-free bound")
+    ax.set_title(f"{result['engine_label']}, {result.get('gpu') or ''}, {result['mode']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def collect(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report from every worker's result: ``runs[backend]`` as the parent recorded it."""
+    names = expand_names(args.workloads, args.sizes)
+    engine = "vLLM" if args.engine == "vllm" else "SGLang"
+    version = installed_version(args.engine)
+    result: dict[str, Any] = {
+        "engine": args.engine,
+        "engine_label": f"{engine} {version}" if version else engine,
+        "versions": {p: installed_version(p) for p in (args.engine, "prefixattn", "torch")},
+        "gpu": getattr(args, "gpu", None),
+        "mode": args.mode,
+        "model": "Llama-3-8B shape, dummy weights, bf16",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                   if k not in ("worker", "model", "result", "sizes", "size", "dry_run")},
+        "sizes": {w: args.sizes[w] for w in args.workloads},
+        "workloads": {w.name: w.describe() for n in args.workloads
+                      for w in build(n, args.sizes, args.seed)},
+        "backends": {
+            b: {k: v for k, v in runs.get(b, {"not_run": True}).items() if k != "workloads"}
+            for b in args.backends
+        },
+        "results": {},
+    }  # fmt: skip
+    for w in names:
+        per = {b: r["workloads"][w] for b, r in runs.items() if w in r.get("workloads", {})}
+        result["results"][w] = per
+    percent_of_bound(result["results"])
+    return result
+
+
+def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: float) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix=f"serving-{backend}-"))
+    out_dir = args.out.parent
+    result = scratch / "result.json"
+    log = out_dir / f"{args.out.stem}_{backend}.log"
+    env = {**os.environ, **worker_env(args, backend, scratch)}
+    t0 = time.monotonic()
+    code = run_in_group(worker_cmd(args, backend, model, result), timeout, log, env)
+    wall = round(time.monotonic() - t0, 1)
+    data: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
+    data.update(exit=code, wall_s=wall, log=str(log))
+    data.setdefault("finished", False)
+    if code != 0 and not data["finished"]:
+        tail = log.read_text(errors="replace").strip().splitlines()[-20:]
+        data["error"] = f"exited {code} after {wall} s"
+        data["log_tail"] = tail
+    print(f"{backend}: exit {code} after {wall} s (log {log})", flush=True)
+    return data
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    print(f"engine {args.engine}, mode {args.mode}, backends {' '.join(args.backends)}")
+    print(f"budget {args.budget:.0f} s, {args.reps} timed runs + 1 warm-up per workload")
+    for name in args.workloads:
+        print(f"{name}: sizes {json.dumps(args.sizes[name])}")
+        for w in build(name, args.sizes, args.seed):
+            print(f"  {w.name}: {json.dumps(w.describe())}")
+    scratch = Path(tempfile.gettempdir()) / "serving-dry-run"
+    for b in args.backends:
+        env = worker_env(args, b, scratch)
+        cmd = worker_cmd(args, b, "MODEL_DIR", scratch / b / "result.json")
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        print(f"{b}: {prefix + ' ' if prefix else ''}{shlex.join(cmd)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        from tools.serving.engines import run_worker
+
+        path = Path(args.result)
+        run_worker(args, lambda d: path.write_text(json.dumps(d)))
+        return 0
+    if args.dry_run:
+        dry_run(args)
+        return 0
+
+    # A SIGTERM (e.g. from `timeout`) unwinds through run_in_group's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = time.monotonic() + args.budget
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.gpu = gpu_name()
+    from tools.vllm.bench_decode import write_model
+
+    model = Path(tempfile.mkdtemp()) / "llama8b-shape"
+    write_model(model, args.max_model_len)
+    runs: dict[str, dict[str, Any]] = {}
+    for i, backend in enumerate(args.backends):
+        timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
+        runs[backend] = run_backend(args, backend, str(model), timeout)
+        result = collect(args, runs)
+        args.out.write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    args.out.with_suffix(".md").write_text(table)
+    try:
+        plot(result, args.out.with_suffix(".png"))
+    except ImportError as e:  # matplotlib is the bench extra's
+        print(f"no plot: {e}", flush=True)
+    print("\n" + table, flush=True)
+    print(f"results: {args.out} (.md, .png)", flush=True)
+    return 0 if all(r.get("finished") for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

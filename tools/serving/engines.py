@@ -1,0 +1,409 @@
+"""The serving benchmark's engine side: one backend of one engine, in this process.
+
+Importing this module imports no engine; :class:`VllmDriver` and :class:`SglangDriver`
+import theirs when built. The statistics the workers and the report share live here too.
+
+Offline, a round's requests go to the engine at once (``LLM.generate`` /
+``sgl.Engine.generate``; a ``lowload`` workload in chunks of its concurrency). Online,
+requests arrive at Poisson times (``rate`` per second) or, for ``lowload``, as a closed loop
+of ``concurrency`` clients, and stream through the engine's async API (vLLM ``AsyncLLM``,
+``RequestOutputKind.DELTA``; SGLang ``Engine.async_generate(stream=True)``); every chunk's
+arrival time gives the time to first token and the inter-token latencies (a chunk of k tokens
+counts as k gaps of a k-th of its wait each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tools.serving.workloads import Request, Workload, build, resolve_prompts
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between the closest ranks
+    (numpy's default). Example: [1, 2, 3, 4], q = 50 -> 2.5; q = 99 -> 3.97."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, float]:
+    """Median, min and max of the repetitions."""
+    if not values:
+        raise ValueError("spread of no values")
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
+
+
+def run_metrics(
+    wall_s: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    ttft_s: Sequence[float] = (),
+    itl_s: Sequence[float] = (),
+) -> dict[str, float]:
+    """One repetition: throughputs, and the latency percentiles (ms) when streamed."""
+    m = {
+        "wall_s": round(wall_s, 4),
+        "output_tok_s": round(output_tokens / wall_s, 2),
+        "total_tok_s": round((prompt_tokens + output_tokens) / wall_s, 2),
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+    }
+    for name, xs in (("ttft_ms", ttft_s), ("itl_ms", itl_s)):
+        if xs:
+            m[f"{name}_p50"] = round(percentile(xs, 50) * 1e3, 3)
+            m[f"{name}_p99"] = round(percentile(xs, 99) * 1e3, 3)
+    return m
+
+
+def summarize_reps(reps: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Median, min and max over repetitions of every metric they all carry."""
+    keys = [k for k in reps[0] if all(k in r for r in reps)]
+    out: dict[str, Any] = {k: spread([r[k] for r in reps]) for k in keys}
+    out["reps"] = len(reps)
+    return out
+
+
+def arrival_times(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Poisson arrivals: cumulative exponential gaps of mean 1/rate seconds, the first at 0."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class Stream:
+    """Arrival times of one request's streamed chunks."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.chunks: list[tuple[float, int]] = []
+
+    def tokens(self, k: int) -> None:
+        if k > 0:
+            self.chunks.append((time.perf_counter(), k))
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0][0] - self.start if self.chunks else None
+
+    def itl(self) -> list[float]:
+        gaps = []
+        for (t0, _), (t1, k) in itertools.pairwise(self.chunks):
+            gaps += [(t1 - t0) / k] * k
+        return gaps
+
+
+class Driver:
+    """One engine with one attention backend; subclasses supply the engine calls."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def generate(self, prompts: list[list[int]], reqs: Sequence[Request], temperature: float):
+        """Offline: all at once; returns (output tokens, the first sample's ids per request)."""
+        raise NotImplementedError
+
+    async def stream(
+        self, prompt: list[int], q: Request, temperature: float, on_tokens: Callable[[int], None]
+    ) -> list[int]:
+        """Online: one request; ``on_tokens(k)`` per chunk of k new tokens (all samples);
+        returns the first sample's ids."""
+        raise NotImplementedError
+
+    def reset_cache(self) -> bool:
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def offline(self, w: Workload) -> dict[str, float]:
+        prompts_prev: list[list[int]] = []
+        outputs_prev: list[list[int]] = []
+        prompt_tokens = output_tokens = 0
+        t0 = time.perf_counter()
+        for reqs in w.rounds:
+            prompts = resolve_prompts(reqs, prompts_prev, outputs_prev)
+            prompt_tokens += sum(len(p) * q.n for p, q in zip(prompts, reqs, strict=True))
+            step = w.concurrency or len(reqs)
+            outputs: list[list[int]] = []
+            for i in range(0, len(reqs), step):
+                n, ids = self.generate(prompts[i : i + step], reqs[i : i + step], w.temperature)
+                output_tokens += n
+                outputs += ids
+            prompts_prev, outputs_prev = prompts, outputs
+        return run_metrics(time.perf_counter() - t0, prompt_tokens, output_tokens)
+
+    def online(self, w: Workload, rate: float, seed: int) -> dict[str, float]:
+        return self.loop.run_until_complete(self._online(w, rate, seed))
+
+    async def _online(self, w: Workload, rate: float, seed: int) -> dict[str, float]:
+        rng = random.Random(seed)
+        prompts_prev: list[list[int]] = []
+        outputs_prev: list[list[int]] = []
+        streams: list[Stream] = []
+        prompt_tokens = 0
+        t0 = time.perf_counter()
+        for reqs in w.rounds:
+            prompts = resolve_prompts(reqs, prompts_prev, outputs_prev)
+            prompt_tokens += sum(len(p) * q.n for p, q in zip(prompts, reqs, strict=True))
+            if w.concurrency:
+                slots: asyncio.Semaphore | None = asyncio.Semaphore(w.concurrency)
+                arrivals = [0.0] * len(reqs)
+            else:
+                slots, arrivals = None, arrival_times(len(reqs), rate, rng)
+            start = time.perf_counter()
+            outputs = await asyncio.gather(
+                *(
+                    self._one(p, q, w.temperature, start + a, slots, streams)
+                    for p, q, a in zip(prompts, reqs, arrivals, strict=True)
+                )
+            )
+            prompts_prev, outputs_prev = prompts, list(outputs)
+        wall = time.perf_counter() - t0
+        output_tokens = sum(k for s in streams for _, k in s.chunks)
+        ttft = [t for s in streams if (t := s.ttft) is not None]
+        itl = [g for s in streams for g in s.itl()]
+        return run_metrics(wall, prompt_tokens, output_tokens, ttft, itl)
+
+    async def _one(
+        self,
+        prompt: list[int],
+        q: Request,
+        temperature: float,
+        arrival: float,
+        slots: asyncio.Semaphore | None,
+        streams: list[Stream],
+    ) -> list[int]:
+        """One online request: it arrives at ``arrival`` (perf_counter time) or, in a closed
+        loop, when one of ``slots`` frees; its clock starts then."""
+        delay = arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with slots if slots is not None else contextlib.nullcontext():
+            s = Stream(time.perf_counter())
+            streams.append(s)
+            return await self.stream(prompt, q, temperature, s.tokens)
+
+
+class VllmDriver(Driver):
+    """vLLM: ``LLM`` offline (engine core in this process when the parent sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``AsyncLLM`` online (engine core forked)."""
+
+    def __init__(self, backend: str, args: Any) -> None:
+        attention = {"prefixattn": "CUSTOM", "bound": "NOATTN"}.get(backend, backend)
+        if backend == "bound":
+            from tools.vllm.noattn import register
+
+            register()
+        kwargs: dict[str, Any] = dict(
+            model=args.model, load_format="dummy", skip_tokenizer_init=True,
+            attention_backend=attention, gpu_memory_utilization=args.gpu_mem,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=True, seed=0,
+        )  # fmt: skip
+        if args.capture_sizes != "default":
+            sizes = [int(x) for x in args.capture_sizes.split(",")]
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        self.loop = asyncio.new_event_loop()
+        self.ids = itertools.count()
+        self.online_mode = args.mode == "online"
+        if self.online_mode:
+            import torch
+
+            if backend == "bound" and torch.cuda.is_initialized():
+                raise RuntimeError(
+                    "CUDA is initialized in the benchmark process, so vLLM would spawn the "
+                    "engine core, where NOATTN is not registered"
+                )
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            async def start() -> Any:  # inside the loop, so its output handler runs there
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+            self.engine = self.loop.run_until_complete(start())
+        else:
+            from vllm import LLM
+
+            self.llm = LLM(**kwargs)
+
+    def _params(self, q: Request, temperature: float, delta: bool = False) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"output_kind": RequestOutputKind.DELTA} if delta else {}
+        return SamplingParams(n=q.n, temperature=temperature, max_tokens=q.max_tokens,
+                              ignore_eos=True, detokenize=False, **extra)  # fmt: skip
+
+    def generate(self, prompts, reqs, temperature):
+        from vllm import TokensPrompt
+
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [self._params(q, temperature) for q in reqs],
+            use_tqdm=False,
+        )
+        tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
+        return tokens, [list(r.outputs[0].token_ids) for r in outs]
+
+    async def stream(self, prompt, q, temperature, on_tokens):
+        from vllm import TokensPrompt
+
+        ids: list[int] = []
+        sp = self._params(q, temperature, delta=True)
+        gen = self.engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"r{next(self.ids)}")
+        async for out in gen:
+            on_tokens(sum(len(o.token_ids) for o in out.outputs))
+            ids += [t for o in out.outputs if o.index == 0 for t in o.token_ids]
+        return ids
+
+    def reset_cache(self) -> bool:
+        if self.online_mode:
+            return bool(self.loop.run_until_complete(self.engine.reset_prefix_cache()))
+        return bool(self.llm.reset_prefix_cache())
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.engine.vllm_config if self.online_mode else self.llm.llm_engine.vllm_config
+        return {
+            "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+            "attention_backend": str(cfg.attention_config.backend),
+            "block_size": cfg.cache_config.block_size,
+            "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        }
+
+    def close(self) -> None:
+        if self.online_mode:
+            self.engine.shutdown()
+
+
+class SglangDriver(Driver):
+    """SGLang: ``sgl.Engine`` (scheduler spawned); offline ``generate``, online
+    ``async_generate(stream=True)`` on the engine's own event loop."""
+
+    def __init__(self, backend: str, args: Any) -> None:
+        attention = {"bound": "noattn"}.get(backend, backend)
+        if backend == "bound":
+            from tools.sglang.noattn import register
+
+            register()  # this process; the scheduler's comes from the plugin entry point
+        import sglang as sgl
+
+        self.engine = sgl.Engine(
+            model_path=args.model, load_format="dummy", skip_tokenizer_init=True,
+            attention_backend=attention, mem_fraction_static=args.gpu_mem,
+            context_length=args.max_model_len, max_running_requests=args.max_num_seqs,
+            random_seed=0, log_level="warning",
+        )  # fmt: skip
+        self.loop = self.engine.loop
+
+    @staticmethod
+    def _params(q: Request, temperature: float) -> dict[str, Any]:
+        return {"n": q.n, "temperature": temperature, "max_new_tokens": q.max_tokens,
+                "ignore_eos": True}  # fmt: skip
+
+    def generate(self, prompts, reqs, temperature):
+        n = reqs[0].n
+        if any(q.n != n for q in reqs):  # SGLang takes one n per batch
+            raise ValueError("an SGLang batch needs the same n in every request")
+        outs = self.engine.generate(
+            input_ids=prompts, sampling_params=[self._params(q, temperature) for q in reqs]
+        )
+        tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+        return tokens, [list(outs[i * n]["output_ids"]) for i in range(len(reqs))]
+
+    async def stream(self, prompt, q, temperature, on_tokens):
+        done: dict[int, int] = {}
+        ids: list[int] = []
+        gen = await self.engine.async_generate(
+            input_ids=prompt, sampling_params=self._params(q, temperature), stream=True
+        )
+        async for chunk in gen:
+            index = int(chunk.get("index", 0))
+            count = int(chunk["meta_info"]["completion_tokens"])
+            on_tokens(count - done.get(index, 0))
+            done[index] = count
+            if index == 0:
+                ids = list(chunk["output_ids"])
+        return ids
+
+    def reset_cache(self) -> bool:
+        out = self.engine.flush_cache()
+        return bool(getattr(out, "success", out))
+
+    def info(self) -> dict[str, Any]:
+        s = self.engine.get_server_info()
+        keys = ("attention_backend", "max_total_num_tokens", "cuda_graph_max_bs",
+                "disable_cuda_graph", "page_size", "max_running_requests")  # fmt: skip
+        return {k: s.get(k) for k in keys}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def measure(driver: Driver, w: Workload, args: Any) -> dict[str, Any]:
+    """One warm-up run (not timed), then ``args.reps`` timed runs, each after a prefix-cache
+    reset; their median, min and max, and each run's metrics."""
+    runs = []
+    resets = []
+    for rep in range(args.reps + 1):
+        resets.append(driver.reset_cache())
+        if args.mode == "online":
+            run = driver.online(w, args.rate, args.seed * 1000 + rep)
+        else:
+            run = driver.offline(w)
+        print(f"  {w.name} {'warm-up' if rep == 0 else f'rep {rep}'}: {run}", flush=True)
+        if rep:
+            runs.append(run)
+    return {**summarize_reps(runs), "runs": runs, "cache_resets_ok": all(resets)}
+
+
+def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
+    """The worker of ``tools.serving.bench``: start the engine with ``args.worker`` and
+    measure every workload, calling ``save(result)`` after each."""
+    from tools.serving.workloads import parse_sizes
+
+    sizes = parse_sizes(args.size)
+    t0 = time.perf_counter()
+    cls = VllmDriver if args.engine == "vllm" else SglangDriver
+    driver = cls(args.worker, args)
+    result: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1),
+                              "workloads": {}}  # fmt: skip
+    try:
+        result["info"] = driver.info()
+    except Exception as e:  # report, never fail the run here
+        result["info"] = {"error": f"{type(e).__name__}: {e}"}
+    save(result)
+    try:
+        for name in args.workloads:
+            for w in build(name, sizes, args.seed):
+                print(f"{args.worker}: {w.name} {w.describe()}", flush=True)
+                result["workloads"][w.name] = measure(driver, w, args)
+                save(result)
+        result["finished"] = True
+        save(result)
+    finally:
+        driver.close()

@@ -1,0 +1,104 @@
+"""SGLang's attention-free bound: the triton backend's metadata path, no attention work.
+
+A benchmark-only backend, never installed for users (``tools/serving/bench.py`` runs it as
+``attention_backend="noattn"``). The backend subclasses SGLang's ``TritonAttnBackend``, so its
+``init_forward_metadata``, CUDA-graph state and capture/replay methods run unchanged (the
+engine's per-step host work and the metadata kernels are counted); ``forward_decode`` and
+``forward_extend`` return zeros shaped like the real output (``[num_tokens, tp_q_head_num *
+v_head_dim]`` in the query's dtype) and never call ``set_kv_buffer``: no KV is read or written
+and nothing is computed. The KV pool is the model runner's own, as for every backend.
+
+Registration (:func:`register`) adds ``noattn`` to SGLang's backend choices
+(``add_attention_backend_choices``) and its factory to ``ATTENTION_BACKENDS``
+(``register_attention_backend``). SGLang spawns its scheduler, which must register it too:
+SGLang's ``load_plugins()`` runs every entry point of the ``sglang.srt.plugins`` group in the
+launching process, the scheduler and the detokenizer. :func:`plugin_env` writes a minimal
+distribution (a ``.dist-info`` folder with that entry point) into a folder and returns the
+environment that puts it on ``sys.path``; the benchmark passes that environment to its bound
+engine's process only, so no other SGLang process sees the backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+NAME = "noattn"
+ENTRY_POINT = "prefixattn_bench_noattn"
+DIST = "prefixattn_bench_noattn"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def backend_class() -> type:
+    """The backend class (imports SGLang's triton backend: only in a model runner's process)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    class NoAttnBackend(TritonAttnBackend):
+        """Triton's metadata and graph paths; zeros instead of attention; no KV writes."""
+
+        def forward_decode(
+            self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+            save_kv_cache: bool = True, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            tokens = q.numel() // (layer.tp_q_head_num * layer.qk_head_dim)
+            return q.new_zeros((tokens, layer.tp_q_head_num * layer.v_head_dim))
+
+        def forward_extend(
+            self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+            save_kv_cache: bool = True, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            # Inside SGLang's prefill-graph scope the caller hands the output buffer over in
+            # ``forward_batch._attn_output`` (as the triton backend reads it).
+            out = getattr(forward_batch, "_attn_output", None)
+            if out is not None:
+                return out.zero_()
+            tokens = q.numel() // (layer.tp_q_head_num * layer.qk_head_dim)
+            return q.new_zeros((tokens, layer.tp_q_head_num * layer.v_head_dim))
+
+    NoAttnBackend.__module__ = __name__
+    NoAttnBackend.__qualname__ = "NoAttnBackend"
+    return NoAttnBackend
+
+
+def create_backend(model_runner: Any) -> Any:
+    """SGLang attention-registry factory: ``fn(model_runner) -> AttentionBackend``."""
+    if getattr(model_runner, "use_mla_backend", False):
+        raise ValueError("the noattn bound serves MHA/GQA models; this model uses MLA")
+    return backend_class()(model_runner)
+
+
+def register() -> None:
+    """Add ``noattn`` to SGLang's attention-backend choices and registry (idempotent)."""
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([NAME])
+    if ATTENTION_BACKENDS.get(NAME) is not create_backend:
+        register_attention_backend(NAME)(create_backend)
+
+
+def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Write a distribution whose ``sglang.srt.plugins`` entry point is :func:`register` into
+    ``folder``; return ``base`` (default ``os.environ``) with ``folder`` and the repository
+    root first on ``PYTHONPATH`` (importlib.metadata finds ``*.dist-info`` folders on
+    ``sys.path``; spawned processes inherit it) and the entry point added to
+    ``SGLANG_PLUGINS`` when that whitelist is set."""
+    info = folder / f"{DIST}-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[sglang.srt.plugins]\n{ENTRY_POINT} = {__name__}:register\n"
+    )
+    env = dict(os.environ if base is None else base)
+    paths = [str(folder), str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH", "")] if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] = f"{env['SGLANG_PLUGINS']},{ENTRY_POINT}"
+    return env
