@@ -7,12 +7,12 @@ buffer apart so that no read hits L2. Added to the attention-free bound's step t
 by the decode benchmarks), it is the shortest step any attention backend can take, so
 ``bound / (bound + read)`` is the highest percent of the bound it can reach.
 
-    python -m tools.kv_read_floor --tokens 26624 --layers 32 [--kv-heads 8 --head-dim 128]
+    python -m tools.kv_read_floor --tokens 34816 --layers 32 [--kv-heads 8 --head-dim 128]
 
-Worked example: 256 requests sharing a 4096-token prefix with 64-token private tails, about
-24 tokens generated each on average (the middle of the decode benchmark's generations):
-4096 + 256 * (64 + 24) = 26624 distinct tokens per layer, 4 KiB each at 8 KV heads x 128:
-109 MB per layer, 3.5 GB per step.
+Worked example: 256 requests sharing a 4096-token prefix with 64-token private tails, 56
+tokens generated each on average (the middle of a timed window from token 8 to 104):
+4096 + 256 * (64 + 56) = 34816 distinct tokens per layer, 4 KiB each at 8 KV heads x 128:
+143 MB per layer, 4.6 GB per step.
 """
 
 from __future__ import annotations

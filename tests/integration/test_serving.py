@@ -234,9 +234,16 @@ def test_backend_order_and_defaults() -> None:
 def test_worker_environment(tmp_path) -> None:
     offline = bench.parse_args(["--engine", "vllm"])
     online = bench.parse_args(["--engine", "vllm", "--mode", "online"])
+    sampler = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     for b in bench.BACKENDS["vllm"]:
-        assert bench.worker_env(offline, b, tmp_path) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        assert bench.worker_env(online, b, tmp_path) == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        assert bench.worker_env(offline, b, tmp_path) == {
+            **sampler,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+        assert bench.worker_env(online, b, tmp_path) == {
+            **sampler,
+            "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+        }
     sgl = bench.parse_args(["--engine", "sglang"])
     assert bench.worker_env(sgl, "fa3", tmp_path) == {}
     env = bench.worker_env(sgl, "bound", tmp_path)

@@ -134,9 +134,12 @@ def worker_cmd(args: argparse.Namespace, backend: str, model: str, result: Path)
 def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[str, str]:
     """The engine variables a backend's worker gets (only those; the rest is inherited)."""
     if args.engine == "vllm":
+        # FlashInfer's sampler needs a JIT build of minutes without its precompiled kernels;
+        # vLLM's PyTorch sampler serves every backend alike.
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
         if args.mode == "offline":
-            return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        return {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+            return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     if backend == BOUND:
         from tools.sglang.noattn import plugin_env
 

@@ -230,7 +230,7 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     ap.add_argument("--backends", nargs="+", default=BACKENDS)
     ap.add_argument("--first", type=int, default=8, help="tokens of the shorter generation")
-    ap.add_argument("--steps", type=int, default=32, help="extra tokens of the longer one")
+    ap.add_argument("--steps", type=int, default=96, help="extra tokens of the longer one")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--budget", type=float, default=520.0, help="seconds for all backends")
     ap.add_argument("--profile", metavar="DIR",
