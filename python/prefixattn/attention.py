@@ -20,12 +20,19 @@ import torch
 
 from . import checks
 from .options import LaunchOptions, PlanOptions
-from .plan.device_table import hint_checks, hint_positions, hinted_table, table_positions
+from .plan.device_table import (
+    hint_checks,
+    hint_positions,
+    hinted_table,
+    item_rows,
+    position_runs,
+    table_positions,
+)
 from .plan.layout import variant_mask
 from .plan.packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .plan.planner import HostPlan, build_host_plan
 from .plan.tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
-from .plan.types import LaunchPlan, PlanArrays
+from .plan.types import LaunchPlan
 from .runtime import library
 from .runtime.buffers import (
     HintedState,
@@ -436,7 +443,7 @@ class PrefixAttention:
         positions = table_positions(row_of, block_table.shape[1], cols)
         checks.check_lengths(positions, lens, indptr, self.page_size)
         plan = self._plan_host(
-            positions, lens, indptr, "per_query", split_kv, page_table=block_table
+            positions, lens, indptr, "per_query", split_kv, page_table=block_table, row_of=row_of
         )
         self._quiet_fallback()
         return plan
@@ -501,7 +508,7 @@ class PrefixAttention:
         positions = table_positions(row_of, width, cols)
         state = self._enable_hinted() if self.device.type == "cuda" else None
         fallback = self._plan_host(
-            positions, lens, indptr, "per_query", False, page_table=block_table,
+            positions, lens, indptr, "per_query", False, page_table=block_table, row_of=row_of,
             buffers=None if state is None else state.buffers, remember=False,
         )  # fmt: skip
         if state is not None:
@@ -515,8 +522,7 @@ class PrefixAttention:
                     f"and {fallback.num_merge_tokens} merges, outside its launches"
                 )
         primary = self._plan_host(
-            table, lens, indptr, "memory", True, page_table=block_table,
-            positions_of=lambda host: hint_positions(host, indptr, row_of, width, ps),
+            table, lens, indptr, "memory", True, page_table=block_table, row_of=row_of,
         )  # fmt: skip
         runs = hint_checks(primary.host, indptr, row_of, width, ps)
         taken = pages_differ(block_table, runs, state, self.device)
@@ -686,15 +692,17 @@ class PrefixAttention:
         split_kv: bool,
         page_table: torch.Tensor | None = None,
         *,
-        positions_of: Callable[[PlanArrays], np.ndarray] | None = None,
+        row_of: np.ndarray | None = None,
         buffers: PlanBuffers | None = None,
         remember: bool = True,
     ) -> LaunchPlan:
-        """The plan of checked host inputs; with ``page_table``, the page array loaded holds
-        positions in it (row * width + column) that are replaced by its entries on the device:
-        ``table``'s own entries, or ``positions_of(host arrays)``. ``buffers``: where the
-        arrays go on a CUDA device (default: this object's); ``remember``: make it the plan
-        :meth:`run` uses by default."""
+        """The plan of checked host inputs. With ``page_table`` (and ``row_of``, the row of
+        it each request reads), the pages are positions in it (row * width + column), each
+        item's from the row of its first request, and the device replaces them by the table's
+        entries: expanded from runs on the device where the items allow
+        (:func:`position_runs`), else copied. ``buffers``: where the arrays go on a CUDA device
+        (default: this object's); ``remember``: make it the plan :meth:`run` uses by
+        default."""
         options = self.plan_options
         if options.split_target is None:
             options.split_target = _sm_count(self.device)
@@ -704,11 +712,16 @@ class PrefixAttention:
             split_target=options.split_target, sm_count=_sm_count(self.device), native=native,
             finish_in_leaf=options.finish_in_leaf,
             one_launch_in_one_wave=options.one_launch_in_one_wave, pack_heads=options.pack_heads,
-            max_bytes=options.max_plan_bytes,
+            max_bytes=options.max_plan_bytes, page_ids=page_table is None,
         )  # fmt: skip
         arrays = hp.device_arrays()
-        if positions_of is not None:
-            arrays["kv_pages"] = positions_of(hp.host)
+        runs = None
+        if page_table is not None:
+            assert row_of is not None
+            width, ps = page_table.shape[1], self.page_size
+            runs = position_runs(hp.host, item_rows(hp.host, indptr, row_of)[1], width, ps)
+            if runs is None:
+                arrays["kv_pages"] = hint_positions(hp.host, indptr, row_of, width, ps)
         generation = None
         if self._plans_share_buffers:
             # Counted before the load: from here on the buffers no longer hold the last plan.
@@ -722,6 +735,7 @@ class PrefixAttention:
             self.device,
             lambda: buffers if buffers is not None else self._main_buffers(),
             page_table,
+            runs,
         )
         if self.device.type == "cuda":
             # The partials scratch grows here, on the host side of the step, so that

@@ -4,6 +4,8 @@ pages included) and name every bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixattn import PrefixAttention, SharingProbe, attention_reference, shares_pages
+from prefixattn.plan.device_table import hint_positions, item_rows, position_runs
+from prefixattn.plan.types import PlanArrays
 
 
 @settings(max_examples=80, deadline=None)
@@ -123,3 +127,58 @@ def test_sharing_probe_on_host_tensors() -> None:
     probe.observe(np.array([1, 1]))
     assert probe.expects_sharing()
     assert shares_pages(np.array([3, 1, 3])) and not shares_pages(np.array([], np.int32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.sampled_from([(4, 4), (8, 2)]), st.booleans())
+def test_positions_expand_from_runs(batch: Batch, heads: tuple[int, int], split_kv: bool) -> None:
+    # The device expands the plan's positions from O(items) runs; they equal the positions
+    # computed page by page from each item's row.
+    hq, hkv = heads
+    big, rows = embed_rows(batch, 2, 2, np.random.default_rng(0))
+    pa = PrefixAttention(hq, hkv, 64, batch.page_size, dtype=torch.float32)
+    pa.split_target = 0
+    plan = pa.plan_unshared(
+        torch.from_numpy(big), batch.seq_lens, batch.qo_indptr, rows=rows, split_kv=split_kv
+    )
+    indptr = np.asarray(batch.qo_indptr, dtype=np.int64)
+    row_of = np.asarray(rows, dtype=np.int64)
+    width = big.shape[1]
+    runs = position_runs(plan.host, item_rows(plan.host, indptr, row_of)[1], width, pa.page_size)
+    assert runs is not None
+    run_len, run_delta = runs
+    assert int(run_len.sum()) == len(plan.host.kv_pages)
+    expanded = np.arange(len(plan.host.kv_pages)) + np.repeat(run_delta, run_len)
+    positions = hint_positions(plan.host, indptr, row_of, width, pa.page_size)
+    assert np.array_equal(expanded, positions)
+    assert plan.kv_pages.tolist() == big.flatten()[positions].tolist()
+
+
+def test_position_runs_worked_example() -> None:
+    host = PlanArrays(
+        kv_page_offset=np.array([0, 3], np.int32), kv_pages=np.zeros(5, np.int32),
+        kv_start=np.array([0, 4], np.int32), kv_len=np.array([3, 2], np.int32),
+        q_indptr=np.array([0, 1, 2], np.int32), q_tokens=np.array([0, 1], np.int32),
+        q_limit=np.array([3, 6], np.int32), q_out=np.array([-1, -1], np.int32),
+        tile_id=np.zeros(2, np.int32), tile_indptr=np.array([0, 2], np.int32),
+        merge_tokens=np.zeros(0, np.int32), merge_indptr=np.zeros(1, np.int32),
+        merge_partials=np.zeros(0, np.int32),
+    )  # fmt: skip
+    runs = position_runs(host, np.array([2, 5]), 100, 1)
+    assert runs is not None
+    assert runs[0].tolist() == [3, 2] and runs[1].tolist() == [200, 501]
+    # Pages that no item covers: the positions are computed page by page instead.
+    gap = dataclasses.replace(host, kv_pages=np.zeros(6, np.int32))
+    assert position_runs(gap, np.array([2, 5]), 100, 1) is None
+
+
+def test_chunked_prefill_positions_are_one_run() -> None:
+    # 8 row chunks of one request read one row: one run for all of them.
+    pa = PrefixAttention(32, 8, 128, 1, dtype=torch.float32)
+    table = torch.arange(3 * 4096, dtype=torch.int32).view(3, 4096)
+    plan = pa.plan_unshared(table, np.array([4096]), np.array([0, 256]), rows=np.array([1]))
+    assert plan.num_work_items == 8
+    host = plan.host
+    runs = position_runs(host, np.ones(8, np.int64), 4096, 1)
+    assert runs is not None and runs[0].tolist() == [4096] and runs[1].tolist() == [4096]
+    assert plan.kv_pages.tolist() == list(range(4096, 8192))

@@ -94,6 +94,50 @@ def hint_positions(
     return positions.astype(np.int32)
 
 
+def position_runs(
+    host: PlanArrays, item_row: np.ndarray, width: int, page_size: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The positions of a device-table plan's ``kv_pages`` as runs, in O(items).
+
+    Item ``w`` reads the columns from ``kv_start[w] / page_size`` on of device-table row
+    ``item_row[w]``, stored from ``kv_page_offset[w]`` on, so entry ``i`` of its pages stands
+    for position ``i + delta_w``, ``delta_w = item_row[w] * width + kv_start[w] / page_size -
+    kv_page_offset[w]``. Items whose stored pages overlap form one run, which has one delta.
+    Returns int32 ``(run_len, run_delta)``, the runs in order, tiling ``kv_pages``; ``None``
+    where the items of one run disagree or leave stored pages uncovered (the caller then
+    computes every position).
+
+    Worked example (W = 100, page size 1): items (row 2, start 0, 3 pages, offset 0) and
+    (row 5, start 4, 2 pages, offset 3): runs of 3 and 2 entries, deltas 200 and 501, so
+    ``kv_pages`` stands for positions [200, 201, 202, 504, 505].
+    """
+    npages = -(-host.kv_len.astype(np.int64) // page_size)
+    has = np.flatnonzero(npages > 0)
+    total = len(host.kv_pages)
+    if not len(has):
+        return (np.zeros(0, np.int32), np.zeros(0, np.int32)) if total == 0 else None
+    off = host.kv_page_offset.astype(np.int64)[has]
+    end = off + npages[has]
+    delta = item_row.astype(np.int64)[has] * width + host.kv_start[has] // page_size - off
+    o = np.argsort(off, kind="stable")
+    off, end, delta = off[o], end[o], delta[o]
+    reach = np.maximum.accumulate(end)
+    opens = np.ones(len(off), dtype=bool)
+    opens[1:] = off[1:] >= reach[:-1]
+    first = np.flatnonzero(opens)
+    run = np.cumsum(opens) - 1
+    run_start = off[first]
+    run_end = np.maximum.reduceat(end, first)
+    if (
+        (delta != delta[first][run]).any()
+        or run_start[0] != 0
+        or (run_start[1:] != run_end[:-1]).any()
+        or run_end[-1] != total
+    ):
+        return None
+    return (run_end - run_start).astype(np.int32), delta[first].astype(np.int32)
+
+
 def hint_checks(
     host: PlanArrays, indptr: np.ndarray, row_of: np.ndarray, width: int, page_size: int
 ) -> dict[str, np.ndarray]:

@@ -184,6 +184,7 @@ def build_host_plan(
     one_launch_in_one_wave: bool,
     pack_heads: bool,
     max_bytes: int | None = None,
+    page_ids: bool = True,
 ) -> HostPlan:
     """The host plan of checked inputs.
 
@@ -192,7 +193,9 @@ def build_host_plan(
     split every long item); ``sm_count``: the device's SMs (the leaf launch's warps and the
     pairs that head packing keeps). ``native``: use the compiled planner (its op must be
     registered). ``max_bytes``: refuse (``MemoryError``) where :func:`estimate_plan`
-    exceeds it (None: no limit). The other switches are those of
+    exceeds it (None: no limit). ``page_ids``: ``table`` holds page ids (the pages read are
+    checked, the largest is reported); False: positions in a device table, valid by
+    construction (``max_page_id`` -1). The other switches are those of
     :class:`prefixattn.PlanOptions`.
     """
     check_plan_size(lens, indptr, page_size, shape.group_size, tiles, max_bytes)
@@ -267,7 +270,8 @@ def build_host_plan(
         host, num_finished = finish_tokens_in_leaf(
             host, leaf, int(indptr[-1]), num_kv_heads, leaf_warps
         )
-    _check_pages(host.kv_pages, table, lens, indptr, page_size)
+    if page_ids and not native:  # the compiled planner checks the pages it reads itself
+        _check_pages(host.kv_pages, table, lens, indptr, page_size)
     num_tokens = int(indptr[-1])
     distinct_tokens = int((forest.token_end - forest.page_begin.astype(np.int64) * page_size).sum())
     heads = 1
@@ -292,7 +296,7 @@ def build_host_plan(
         num_tokens=num_tokens,
         num_partials=acc["num_partials"],
         num_finished=num_finished,
-        max_page_id=int(host.kv_pages.max(initial=-1)),
+        max_page_id=int(host.kv_pages.max(initial=-1)) if page_ids else -1,
         kv_bytes=acc["kv_bytes"],
         partial_bytes=acc["partial_bytes"],
         distinct_kv_bytes=shape.kv_bytes(distinct_tokens),

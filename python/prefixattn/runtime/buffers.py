@@ -44,6 +44,12 @@ class PlanBuffers:
                 )
                 self.generation += 1
 
+    def view(self, name: str, n: int) -> torch.Tensor:
+        """The first ``n`` entries of buffer ``name`` (grown first where it is smaller), for
+        an array the device fills itself."""
+        self.reserve(**{name: n})
+        return self._buffers[name][:n]
+
     def load(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Copy host int32 arrays into their buffers; returns views of the used prefixes."""
         self.reserve(**{name: len(a) for name, a in arrays.items()})
@@ -114,7 +120,7 @@ def buffer_sizes(w: int, p: int, s: int, t: int) -> dict[str, int]:
     return dict(
         kv_page_offset=w, kv_pages=p, kv_start=w, kv_len=w, q_indptr=w + 1,
         q_tokens=s, q_limit=s, q_out=s, tile_id=w, merge_tokens=t, merge_indptr=t + 1,
-        merge_partials=s, counts=COUNTS_LEN,
+        merge_partials=s, counts=COUNTS_LEN, page_run_len=w, page_run_delta=w,
     )  # fmt: skip
 
 
@@ -136,26 +142,47 @@ def load_plan_arrays(
     device: torch.device,
     buffers: Callable[[], PlanBuffers],
     page_table: torch.Tensor | None = None,
+    runs: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The plan's int32 arrays on ``device``: copied into ``buffers()`` on a CUDA device,
     sharing the numpy memory on the CPU.
 
     With ``page_table`` (int32 [R, W]), ``arrays["kv_pages"]`` holds positions in it
     (row * W + column) that are replaced by its entries on its device, in stream order (no
-    sync); the host array keeps the positions.
+    sync); the host array keeps the positions. With ``runs`` too (``run_len``, ``run_delta``,
+    from :func:`~prefixattn.plan.device_table.position_runs`), the positions are not copied
+    from the host: the device expands the runs (entry ``i`` of run ``r`` stands for position
+    ``i + run_delta[r]``), so the host ships O(runs), not O(pages).
     """
+    num_pages = len(arrays["kv_pages"])
+    if runs is not None:
+        assert page_table is not None
+        arrays = {n: a for n, a in arrays.items() if n != "kv_pages"}
+        arrays["page_run_len"], arrays["page_run_delta"] = runs
     if device.type == "cuda":
         views = buffers().load(arrays)
+        if runs is not None:
+            views["kv_pages"] = buffers().view("kv_pages", num_pages)
     else:
         views = load_on_host(arrays)
-        if page_table is not None:  # keep the host arrays' positions
+        if runs is not None:
+            views["kv_pages"] = torch.empty(num_pages, dtype=torch.int32)
+        elif page_table is not None:  # keep the host arrays' positions
             views["kv_pages"] = views["kv_pages"].clone()
     if page_table is not None:
         pages = views["kv_pages"]
         if pages.numel():
-            pos = pages.long()
+            if runs is not None:
+                lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
+                pos = torch.arange(num_pages, device=pages.device) + torch.repeat_interleave(
+                    deltas.long(), lens.long(), output_size=num_pages
+                )
+            else:
+                pos = pages.long()
             width = page_table.shape[1]
             pages.copy_(page_table[pos // width, pos % width])
+    views.pop("page_run_len", None)
+    views.pop("page_run_delta", None)
     return views
 
 
