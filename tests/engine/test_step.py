@@ -275,3 +275,36 @@ def test_cuda_graphs_available(
         monkeypatch.setattr(PrefixAttention, "cuda_graph_safe", graph_safe, raising=False)
     monkeypatch.setattr(library, "cuda_ops_available", lambda: kernels)
     assert step.cuda_graphs_available() is expected
+
+
+def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hint of a decode run (the same requests, one token further each step) is copied
+    at its start and again after HINT_REFRESH_STEPS steps or when the batch changes."""
+    planner = _planner()
+    run_step(planner, SHARED)  # copy: observes the rows, probe says shared
+    copies: list[int] = []
+    real_start = planner.table_hint.start
+
+    def start(table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
+        copies.append(len(seq_lens))
+        real_start(table, seq_lens, page_size)
+
+    monkeypatch.setattr(planner.table_hint, "start", start)
+    tail = [40, 41, 42, 43, 44, 45]
+    rows = [[1, 2, 10, *tail], [1, 2, 11, *tail], [1, 3, 12, *tail], [4, 13, *tail]]
+    rows = [[p + 100 * i if p >= 40 else p for p in r] for i, r in enumerate(rows)]
+    batch = Batch(rows)
+    batch.seq_lens = np.full(4, 2 * PAGE + 1, np.int32)  # 3 pages; room for 20 more tokens
+    for step_ in range(step.HINT_REFRESH_STEPS + 2):
+        if step_:
+            batch.seq_lens = batch.seq_lens + 1  # one more token each, same requests
+        assert kind(run_step(planner, batch)) == "hinted"
+    # Copied at the run's first step and once the refresh interval had passed.
+    assert len(copies) == 2
+    batch.seq_lens = batch.seq_lens + 2  # two tokens at once: not a plain decode run
+    run_step(planner, batch)
+    assert len(copies) == 3
+    fewer = Batch(rows[:3])
+    fewer.seq_lens = batch.seq_lens[:3] + 1
+    assert kind(run_step(planner, fewer)) == "hinted"
+    assert len(copies) == 4

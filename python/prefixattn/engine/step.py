@@ -107,6 +107,10 @@ class StepOptions:
 
 _defaults = StepOptions()
 
+HINT_REFRESH_STEPS = 16
+"""A decode run reuses the hint copied at its start for at most this many steps (see
+:meth:`StepPlanner.plan_device`)."""
+
 
 def configure(**changes: Any) -> StepOptions:
     """Set process-wide defaults for the :class:`StepPlanner` objects created afterwards, e.g.
@@ -231,6 +235,9 @@ class StepPlanner:
         """Plans the steps that may be replayed from captured graphs (:meth:`reserve_graphs`
         creates it)."""
         self._eager: PrefixAttention | None = None
+        self._hint_run: tuple[tuple[int, bytes | None], np.ndarray, int] | None = None
+        """(batch key, lengths, steps since) of the last step whose rows were copied as a
+        hint; see :meth:`_hint_is_current`."""
 
     # ---------------------------------------------------------------- the pair
     @property
@@ -351,10 +358,33 @@ class StepPlanner:
         if table.shape[0] > num_real:  # padding rows of the engine's table: left out
             real = torch.arange(table.shape[0], device=first.device) < num_real
         self.probe.start(first, real)
-        if self.options.hinted_plans:  # this step's rows: a later step's hint once landed
+        if self.options.hinted_plans and not self._hint_is_current(seq_lens, rows, num_real):
+            # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size)
         return plan
+
+    def _hint_is_current(self, seq_lens: np.ndarray, rows: Any, num_real: int) -> bool:
+        """True while the batch is the one whose rows were last copied, every request some
+        steps further by one token per step, for fewer than :data:`HINT_REFRESH_STEPS` steps:
+        a decode run. Its pages past the copy are unknown to the hint, so planned as private,
+        which a decode run's new pages are; copying the whole table again every step (O(
+        requests x context) host work at page size 1) would tell nothing more. Otherwise
+        (requests joined, left, moved or took several tokens) the rows are copied again."""
+        lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
+        key = (num_real, None if rows is None else np.asarray(rows)[:num_real].tobytes())
+        if self._hint_run is not None:
+            last_key, last_lens, steps = self._hint_run
+            steps += 1
+            if (
+                last_key == key
+                and steps < HINT_REFRESH_STEPS
+                and np.array_equal(lens, last_lens + steps)
+            ):
+                self._hint_run = (last_key, last_lens, steps)
+                return True
+        self._hint_run = (key, lens, 0)
+        return False
 
     def plan_host(
         self,
@@ -373,6 +403,7 @@ class StepPlanner:
             self.probe.observe(table[:num_real, 0])
             if self.options.hinted_plans:
                 self.table_hint.observe(table[:num_real], seq_lens[:num_real], self.page_size)
+                self._hint_run = None  # the next device-table step copies its rows again
         with record_function("prefixattn.plan"):
             plan = attention.plan(table, seq_lens, qo_indptr)
         if not capture:
