@@ -267,6 +267,9 @@ class PrefixAttention:
             num_qo_heads, num_kv_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
         )
         self._local = threading.local()  # .plan: the calling thread's last plan
+        # The last planning tables of device-table plans and what they were made from
+        # (_positions_table, _hinted_table): a decode run plans from the same ones each step.
+        self._table_memo: dict[str, tuple[tuple[Any, ...], np.ndarray]] = {}
         self._plan_lock = threading.RLock()
         self._generation = 0
         """Plans loaded into the main buffers so far (CUDA): a plan of another generation
@@ -440,7 +443,7 @@ class PrefixAttention:
             block_table, seq_lens, qo_indptr, rows, self.device, self.page_size
         )
         # Positions as page ids: rows never share one, so the forest has no sharing.
-        positions = table_positions(row_of, block_table.shape[1], cols)
+        positions = self._positions_table(row_of, block_table.shape[1], cols)
         checks.check_lengths(positions, lens, indptr, self.page_size)
         plan = self._plan_host(
             positions, lens, indptr, "per_query", split_kv, page_table=block_table, row_of=row_of
@@ -503,9 +506,9 @@ class PrefixAttention:
         width, ps = block_table.shape[1], self.page_size
         if isinstance(private, torch.Tensor):
             private = private.cpu()
-        table = hinted_table(hint_arr, row_of, cols, private)
+        table = self._hinted_table(hint_arr, row_of, width, cols, private)
         checks.check_lengths(table, lens, indptr, ps)
-        positions = table_positions(row_of, width, cols)
+        positions = self._positions_table(row_of, width, cols)
         state = self._enable_hinted() if self.device.type == "cuda" else None
         fallback = self._plan_host(
             positions, lens, indptr, "per_query", False, page_table=block_table, row_of=row_of,
@@ -682,6 +685,45 @@ class PrefixAttention:
             self._workspace = Workspace(self.device, self.dtype)
         if self._workspace.reserve(num_partials, self.num_qo_heads, self.head_dim, self.dtype):
             self._main_buffers().generation += 1
+
+    # Planning tables are made this many columns wider than needed, so that the steps of a
+    # decode run (one more token per request each) plan from the same table.
+    _TABLE_COLUMN_STEP = 64
+
+    def _table_columns(self, width: int, cols: int) -> int:
+        return min(width, -(-cols // self._TABLE_COLUMN_STEP) * self._TABLE_COLUMN_STEP)
+
+    def _positions_table(self, row_of: np.ndarray, width: int, cols: int) -> np.ndarray:
+        """:func:`table_positions`, at least ``cols`` columns; the last one again where the rows
+        are the same and it is wide enough (a plan reads only each request's pages)."""
+        key = (row_of.tobytes(), width)
+        memo = self._table_memo.get("positions")
+        if memo is not None and memo[0] == key and memo[1].shape[1] >= cols:
+            return memo[1]
+        table = table_positions(row_of, width, self._table_columns(width, cols))
+        self._table_memo["positions"] = (key, table)
+        return table
+
+    def _hinted_table(
+        self, hint: np.ndarray, row_of: np.ndarray, width: int, cols: int, private: Any
+    ) -> np.ndarray:
+        """:func:`hinted_table`, at least ``cols`` columns; the last one again for the same
+        read-only hint array (``TableHint`` makes its copies read-only), rows and private
+        requests, where it is wide enough."""
+        mask = None if private is None else np.asarray(private)
+        key = (row_of.tobytes(), None if mask is None else mask.tobytes())
+        memo = self._table_memo.get("hinted")
+        if (
+            memo is not None
+            and not hint.flags.writeable
+            and memo[0][0] is hint
+            and memo[0][1:] == key
+            and memo[1].shape[1] >= cols
+        ):
+            return memo[1]
+        table = hinted_table(hint, row_of, self._table_columns(width, cols), private)
+        self._table_memo["hinted"] = ((hint, *key), table)
+        return table
 
     def _plan_host(
         self,

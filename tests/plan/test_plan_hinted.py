@@ -266,3 +266,38 @@ def test_private_requests_share_nothing() -> None:
     assert root_sizes(joined) == [3] and root_sizes(alone) == [1, 2]
     with pytest.raises(ValueError, match="private must be a bool array"):
         pa.plan_hinted(torch.from_numpy(table), table, lens, rows=rows, private=np.ones(3))
+
+
+def test_a_decode_run_plans_from_the_same_tables() -> None:
+    """Steps of a decode run with one read-only hint reuse the planning tables (they are made
+    wider than needed) and still equal plain attention; a writeable hint is read every call."""
+    ps, hq, hkv, d = 1, 8, 2, 64
+    shared = list(range(100, 140))
+    rows = [shared + list(range(200 + 50 * i, 200 + 50 * i + 30)) for i in range(4)]
+    table = np.array(rows, np.int32)
+    k, v = random_cache(400, ps, hkv, d, torch.float32)
+    pa = PrefixAttention(hq, hkv, d, ps, dtype=torch.float32)
+    hint = table.copy()
+    hint[:, 50:] = -1  # copied when every request had 50 tokens
+    hint.flags.writeable = False
+    first = None
+    for step_ in range(5):
+        lens = np.full(4, 50 + step_)
+        plan = pa.plan_hinted(torch.from_numpy(table), hint, lens)
+        memo = pa._table_memo["hinted"][1]
+        first = memo if first is None else first
+        assert memo is first and memo.shape[1] >= 54
+        q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(step_))
+        qo = np.arange(5)
+        ref = attention_reference(
+            q.double(), k.double(), v.double(), torch.from_numpy(table),
+            torch.from_numpy(lens), torch.from_numpy(qo),
+        )  # fmt: skip
+        assert not bool(plan.fallback_taken)
+        _close(pa.run(q, k, v, plan=plan), ref)
+    writeable = hint.copy()
+    pa.plan_hinted(torch.from_numpy(table), writeable, np.full(4, 50))
+    memo = pa._table_memo["hinted"][1]
+    writeable[:, :40] = 7  # the same array object, other contents: a new table
+    pa.plan_hinted(torch.from_numpy(table), writeable, np.full(4, 50))
+    assert pa._table_memo["hinted"][1] is not memo

@@ -106,7 +106,7 @@ class TableHint:
     def observe(self, table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> None:
         """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
         of each are its pages). A copy still in flight is older: it is dropped once landed."""
-        self._hint = _mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size)
+        self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size))
         self._superseded = self._pending is not None
 
     def start(self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
@@ -141,7 +141,14 @@ class TableHint:
             return
         assert self._pinned is not None
         table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
-        self._hint = _mask_unused(table, lens, page_size)
+        self._hint = _read_only(_mask_unused(table, lens, page_size))
+
+
+def _read_only(table: np.ndarray) -> np.ndarray:
+    """``table``, marked read-only: a hint is never changed once made, so planners may keep
+    what they derived from it."""
+    table.flags.writeable = False
+    return table
 
 
 def _mask_unused(table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:

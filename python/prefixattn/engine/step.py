@@ -235,6 +235,7 @@ class StepPlanner:
         """Plans the steps that may be replayed from captured graphs (:meth:`reserve_graphs`
         creates it)."""
         self._eager: PrefixAttention | None = None
+        self._hint_view: tuple[np.ndarray, int, np.ndarray] | None = None
         self._hint_run: tuple[tuple[int, bytes | None], np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
@@ -345,8 +346,12 @@ class StepPlanner:
                 hint = choice.hint
                 if rows is None:
                     # Requests past num_real read the engine's padding rows, whose entries in
-                    # the hint (an earlier, larger batch's rows) are stale: unknown.
-                    hint = hint[:num_real]
+                    # the hint (an earlier, larger batch's rows) are stale: unknown. The same
+                    # view each step of a decode run, so the planner can keep its table.
+                    view = self._hint_view
+                    if view is None or view[0] is not hint or view[1] != num_real:
+                        view = self._hint_view = (hint, num_real, hint[:num_real])
+                    hint = view[2]
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
