@@ -101,7 +101,7 @@ N1, N2 = 4, 20  # decode step time: generations of N1 and N2 tokens
 # Rough seconds one cell needs (both backends), used for --budget and the default timeout.
 ESTIMATE_S = {("vllm", "on"): 200, ("vllm", "off"): 120, ("sglang", "on"): 150,
               ("sglang", "off"): 110, ("custom", "on"): 60, ("custom", "off"): 60}  # fmt: skip
-TP_EXTRA_S = 60
+TP_EXTRA_S = 150  # vLLM 0.33 engines with tensor parallel 2 took over 146 s to start (H100)
 
 
 def hidden_size(num_qo_heads: int) -> int:
