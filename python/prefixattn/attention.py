@@ -721,7 +721,13 @@ class PrefixAttention:
             and memo[1].shape[1] >= cols
         ):
             return memo[1]
-        table = hinted_table(hint, row_of, self._table_columns(width, cols), private)
+        wide = self._table_columns(width, cols)
+        try:
+            table = hinted_table(hint, row_of, wide, private)
+        except ValueError:  # the unknown pages' ids would pass int32 at the wider table
+            if wide == cols:
+                raise
+            table = hinted_table(hint, row_of, cols, private)
         self._table_memo["hinted"] = ((hint, *key), table)
         return table
 
