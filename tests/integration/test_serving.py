@@ -4,6 +4,8 @@ report, argument checks and the dry run; the bound backends against the installe
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import random
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tools import write_atomic
 from tools.serving import bench, engines
 from tools.serving import workloads as wl
 
@@ -145,13 +148,142 @@ def test_run_metrics_and_summary() -> None:
 
 def test_stream_latencies() -> None:
     s = engines.Stream(start=10.0)
-    s.chunks = [(10.5, 1), (10.6, 1), (10.9, 3)]
+    s.chunks = {0: [(10.5, 1), (10.6, 1), (10.9, 3)]}
     assert s.ttft == pytest.approx(0.5)
     assert s.itl() == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert s.output_tokens == 5
+    # Samples of one request (n > 1): each its own gaps, the first token of any for the TTFT.
+    s.chunks = {0: [(10.5, 1), (10.7, 1)], 1: [(10.4, 1), (10.51, 1), (10.8, 2)]}
+    assert s.ttft == pytest.approx(0.4)
+    assert s.itl() == pytest.approx([0.2, 0.11, 0.145, 0.145])
+    assert s.output_tokens == 6
+    s = engines.Stream(start=0.0)
+    s.tokens(0)
+    s.tokens(2, index=1)
+    assert list(s.chunks) == [1] and s.output_tokens == 2 and s.itl() == []
     rng = random.Random(0)
     times = engines.arrival_times(4000, 8.0, rng)
     assert times[0] == 0 and times == sorted(times)
     assert times[-1] / len(times) == pytest.approx(1 / 8, rel=0.1)
+
+
+class FakeDriver(engines.Driver):
+    """Generates ``max_tokens`` tokens per sample, ``chunk`` at a time; records prompts."""
+
+    def __init__(self, chunk: int = 2) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.chunk = chunk
+        self.prompts: list[list[int]] = []
+
+    def output(self, prompt: list[int], q: wl.Request) -> list[int]:
+        return [len(prompt) % 1000 + i for i in range(q.max_tokens)]
+
+    def reset_cache(self) -> bool:
+        return True
+
+    def generate(self, prompts, reqs, temperature):
+        self.prompts += prompts
+        outs = [self.output(p, q) for p, q in zip(prompts, reqs, strict=True)]
+        return sum(len(o) * q.n for o, q in zip(outs, reqs, strict=True)), outs
+
+    async def stream(self, prompt, q, temperature, on_tokens):
+        self.prompts.append(prompt)
+        out = self.output(prompt, q)
+        for i in range(0, len(out), self.chunk):
+            await asyncio.sleep(0)
+            for index in range(q.n):
+                on_tokens(len(out[i : i + self.chunk]), index)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_rounds_follow_the_previous_outputs(mode: str) -> None:
+    sizes = small(multiturn__conversations=3, multiturn__turns=3, parallel__prompts=2,
+                  parallel__n=3, parallel__out=5)  # fmt: skip
+    (mt,) = wl.build("multiturn", sizes)
+    (par,) = wl.build("parallel", sizes)
+    for w in (mt, par):
+        d = FakeDriver()
+        run = d.offline(w) if mode == "offline" else d.online(w, 1000.0, 0)
+        assert run["output_tokens"] == w.output_tokens
+        assert len(d.prompts) == w.num_requests
+        if mode == "online":
+            assert run["itl_ms_p50"] >= 0 and "ttft_ms_p99" in run
+    # Turn k + 1 of a conversation: turn k's prompt, its output, the new message.
+    d = FakeDriver()
+    d.online(mt, 1000.0, 0)
+    by_len = sorted(d.prompts, key=len)
+    firsts = wl.resolve_prompts(mt.rounds[0])
+    for c, q in enumerate(mt.rounds[1]):
+        want = firsts[c] + d.output(firsts[c], mt.rounds[0][c]) + list(q.prompt)
+        assert want in by_len
+
+
+def test_worker_saves_each_timed_run() -> None:
+    (w,) = wl.build("decode", small(decode__requests=2, decode__prefix=8, decode__out=4))
+    saved: list[dict] = []
+    rep_args = types.SimpleNamespace(reps=3, mode="offline", seed=0)
+    final = engines.measure(FakeDriver(), w, rep_args, saved.append)
+    assert [(s["reps"], s["partial"]) for s in saved] == [(1, True), (2, True)]
+    assert final["reps"] == 3 and "partial" not in final and final["cache_resets_ok"]
+    args = bench.parse_args(["--engine", "vllm", "--workloads", "decode"])
+    cut: dict[str, Any] = {**fake_run(870), "partial": True, "reps": 2}
+    runs = {"bound": {"workloads": {"decode": fake_run(1000)}},
+            "prefixattn": {"workloads": {"decode": cut}}}  # fmt: skip
+    assert "| decode | 1,000 (100%) | 870 (87%) [2 runs] | - | - |" in bench.markdown(
+        bench.collect(args, runs)
+    )
+
+
+def test_sglang_stream_chunks_are_cumulative_per_sample() -> None:
+    class Engine:
+        async def async_generate(self, input_ids, sampling_params, stream):
+            assert stream and sampling_params["n"] == 2
+
+            async def chunks():
+                done: dict[int, list[int]] = {0: [], 1: []}
+                for index, tok in [(0, 5), (1, 7), (1, 8), (0, 6), (1, 9), (0, 4)]:
+                    done[index].append(tok)
+                    n = len(done[index])
+                    yield {"index": index, "output_ids": done[index],
+                           "meta_info": {"completion_tokens": n}}  # fmt: skip
+
+            return chunks()
+
+    d: Any = object.__new__(engines.SglangDriver)
+    d.engine = Engine()
+    s = engines.Stream(0.0)
+    ids = asyncio.run(d.stream([1, 2], wl.Request((1, 2), 3, n=2), 1.0, s.tokens))
+    assert ids == [5, 6, 4]
+    assert {i: [k for _, k in c] for i, c in s.chunks.items()} == {0: [1, 1, 1], 1: [1, 1, 1]}
+
+
+def test_vllm_stream_deltas_per_sample() -> None:
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import RequestOutputKind
+
+    def out(*completions):
+        return types.SimpleNamespace(
+            outputs=[types.SimpleNamespace(index=i, token_ids=t) for i, t in completions]
+        )
+
+    class Engine:
+        def generate(self, prompt, sp, request_id):
+            assert sp.n == 2 and sp.output_kind == RequestOutputKind.DELTA
+
+            async def outs():
+                yield out((1, [7]))
+                yield out((0, [5, 6]), (1, [8]))
+                yield out((0, [4]))
+
+            return outs()
+
+    d: Any = object.__new__(engines.VllmDriver)
+    d.engine, d.ids = Engine(), itertools.count()
+    s = engines.Stream(0.0)
+    ids = asyncio.run(d.stream([1, 2], wl.Request((1, 2), 3, n=2), 1.0, s.tokens))
+    assert ids == [5, 6, 4]
+    assert {i: [k for _, k in c] for i, c in s.chunks.items()} == {1: [1, 1], 0: [2, 1]}
 
 
 def fake_run(tok_s: float, ttft: float | None = None) -> dict:
@@ -203,6 +335,26 @@ def test_plot(tmp_path) -> None:
             "prefixattn": {"workloads": {"decode": fake_run(870)}}}  # fmt: skip
     bench.plot(bench.collect(args, runs), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_plot_without_bound(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    args = bench.parse_args(["--engine", "vllm", "--workloads", "decode"])
+    runs: dict[str, dict[str, Any]] = {"bound": {"finished": False, "workloads": {}},
+                                       "prefixattn": {"workloads": {"decode": fake_run(870)}}}  # fmt: skip
+    result = bench.collect(args, runs)
+    assert "pct_of_bound" not in result["results"]["decode"]["prefixattn"]
+    bench.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "| decode | - | 870 | - | - |" in bench.markdown(result)
+
+
+def test_result_written_whole(tmp_path) -> None:
+    path = tmp_path / "result.json"
+    write_atomic(path, {"workloads": {"a": 1}})
+    write_atomic(path, {"workloads": {"a": 1, "b": 2}})
+    assert json.loads(path.read_text()) == {"workloads": {"a": 1, "b": 2}}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 
 
 @pytest.mark.parametrize(

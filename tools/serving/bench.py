@@ -14,8 +14,9 @@ Backends (``--backends``, default all of the engine's):
   put on the bound engine's ``PYTHONPATH`` only).
 
 Each backend runs in its own process group (``tools/proc_group.py``) with a share of
-``--budget`` seconds, the bound first; a worker writes its results after every workload, so a
-timeout keeps what finished, and a backend that fails to start is recorded with its log's tail.
+``--budget`` seconds, the bound first; a worker writes its results after every timed run, so a
+timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
+``[k runs]`` in the table), and a backend that fails to start is recorded with its log's tail.
 vLLM's offline engines run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in the
 worker, where the bound is registered); online, ``AsyncLLM`` forks its engine core
 (``VLLM_WORKER_MULTIPROC_METHOD=fork``). Both settings apply to every vLLM backend alike.
@@ -50,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools import RESULTS, installed_version
+from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
 
@@ -191,7 +192,8 @@ def markdown(result: dict[str, Any]) -> str:
         if not r or METRIC not in r:
             return "-"
         pct = f" ({r['pct_of_bound']:.0f}%)" if "pct_of_bound" in r else ""
-        return f"{r[METRIC]['median']:,.0f}{pct}"
+        cut = f" [{r['reps']} runs]" if r.get("partial") else ""  # the worker was cut off
+        return f"{r[METRIC]['median']:,.0f}{pct}{cut}"
 
     for w, rs in per.items():
         lines.append(f"| {w} | " + " | ".join(cell(rs.get(b)) for b in backends) + " |")
@@ -213,25 +215,36 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], out: Path) -> None:
-    """Bars: each backend's median output tokens/s as % of the bound, per workload."""
+    """Bars: each backend's median output tokens/s as % of the bound, per workload (the
+    tokens/s themselves when the bound has no result at all)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(result["results"])
-    backends = [b for b in result["backends"] if b != BOUND]
+    per = result["results"]
+    relative = any(BOUND in per[w] and METRIC in per[w][BOUND] for w in workloads)
+    backends = [b for b in result["backends"] if b != BOUND or not relative]
+
+    def value(r: dict[str, Any]) -> float:
+        if relative:
+            return r.get("pct_of_bound", 0.0)
+        return r.get(METRIC, {}).get("median", 0.0)
+
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(workloads) + 2), 4))
     width = 0.8 / max(len(backends), 1)
     for i, b in enumerate(backends):
         xs = [k + i * width for k in range(len(workloads))]
-        ys = [result["results"][w].get(b, {}).get("pct_of_bound", 0.0) for w in workloads]
+        ys = [value(per[w].get(b, {})) for w in workloads]
         bars = ax.bar(xs, ys, width, label=b, color=f"C{i}")
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.axhline(100, color="gray", linewidth=0.8, linestyle="--")
+    if relative:
+        ax.axhline(100, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xticks([k + width * (len(backends) - 1) / 2 for k in range(len(workloads))])
     ax.set_xticklabels(workloads)
-    ax.set_ylabel("output tokens/s, % of the attention-free bound")
+    ax.set_ylabel("output tokens/s, % of the attention-free bound" if relative
+                  else "output tokens/s (no bound result)")  # fmt: skip
     ax.set_title(f"{result['engine_label']}, {result.get('gpu') or ''}, {result['mode']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         from tools.serving.engines import run_worker
 
         path = Path(args.result)
-        run_worker(args, lambda d: path.write_text(json.dumps(d)))
+        run_worker(args, lambda d: write_atomic(path, d))
         return 0
     if args.dry_run:
         dry_run(args)

@@ -8,8 +8,9 @@ Offline, a round's requests go to the engine at once (``LLM.generate`` /
 requests arrive at Poisson times (``rate`` per second) or, for ``lowload``, as a closed loop
 of ``concurrency`` clients, and stream through the engine's async API (vLLM ``AsyncLLM``,
 ``RequestOutputKind.DELTA``; SGLang ``Engine.async_generate(stream=True)``); every chunk's
-arrival time gives the time to first token and the inter-token latencies (a chunk of k tokens
-counts as k gaps of a k-th of its wait each).
+arrival time gives the time to first token and the inter-token latencies, each sample of a
+request (``n`` > 1) on its own (a chunk of k tokens counts as k gaps of a k-th of its wait
+each).
 """
 
 from __future__ import annotations
@@ -94,24 +95,32 @@ def arrival_times(count: int, rate: float, rng: random.Random) -> list[float]:
 
 
 class Stream:
-    """Arrival times of one request's streamed chunks."""
+    """Arrival times of one request's streamed chunks, per sample (``index``): the samples of
+    an ``n`` > 1 request interleave, and a gap between two samples' chunks is no token's
+    latency."""
 
     def __init__(self, start: float) -> None:
         self.start = start
-        self.chunks: list[tuple[float, int]] = []
+        self.chunks: dict[int, list[tuple[float, int]]] = {}
 
-    def tokens(self, k: int) -> None:
+    def tokens(self, k: int, index: int = 0) -> None:
         if k > 0:
-            self.chunks.append((time.perf_counter(), k))
+            self.chunks.setdefault(index, []).append((time.perf_counter(), k))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(k for chunks in self.chunks.values() for _, k in chunks)
 
     @property
     def ttft(self) -> float | None:
-        return self.chunks[0][0] - self.start if self.chunks else None
+        firsts = [chunks[0][0] for chunks in self.chunks.values()]
+        return min(firsts) - self.start if firsts else None
 
     def itl(self) -> list[float]:
         gaps = []
-        for (t0, _), (t1, k) in itertools.pairwise(self.chunks):
-            gaps += [(t1 - t0) / k] * k
+        for chunks in self.chunks.values():
+            for (t0, _), (t1, k) in itertools.pairwise(chunks):
+                gaps += [(t1 - t0) / k] * k
         return gaps
 
 
@@ -125,10 +134,14 @@ class Driver:
         raise NotImplementedError
 
     async def stream(
-        self, prompt: list[int], q: Request, temperature: float, on_tokens: Callable[[int], None]
+        self,
+        prompt: list[int],
+        q: Request,
+        temperature: float,
+        on_tokens: Callable[[int, int], None],
     ) -> list[int]:
-        """Online: one request; ``on_tokens(k)`` per chunk of k new tokens (all samples);
-        returns the first sample's ids."""
+        """Online: one request; ``on_tokens(k, index)`` per chunk of k new tokens of sample
+        ``index``; returns the first sample's ids."""
         raise NotImplementedError
 
     def reset_cache(self) -> bool:
@@ -184,7 +197,7 @@ class Driver:
             )
             prompts_prev, outputs_prev = prompts, list(outputs)
         wall = time.perf_counter() - t0
-        output_tokens = sum(k for s in streams for _, k in s.chunks)
+        output_tokens = sum(s.output_tokens for s in streams)
         ttft = [t for s in streams if (t := s.ttft) is not None]
         itl = [g for s in streams for g in s.itl()]
         return run_metrics(wall, prompt_tokens, output_tokens, ttft, itl)
@@ -277,7 +290,8 @@ class VllmDriver(Driver):
         sp = self._params(q, temperature, delta=True)
         gen = self.engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"r{next(self.ids)}")
         async for out in gen:
-            on_tokens(sum(len(o.token_ids) for o in out.outputs))
+            for o in out.outputs:
+                on_tokens(len(o.token_ids), o.index)
             ids += [t for o in out.outputs if o.index == 0 for t in o.token_ids]
         return ids
 
@@ -343,12 +357,12 @@ class SglangDriver(Driver):
         )
         async for chunk in gen:
             index = int(chunk.get("index", 0))
-            count = int(chunk["meta_info"]["completion_tokens"])
-            on_tokens(count - done.get(index, 0))
+            count = int(chunk["meta_info"]["completion_tokens"])  # cumulative
+            on_tokens(count - done.get(index, 0), index)
             done[index] = count
-            if index == 0:
-                ids = list(chunk["output_ids"])
-        return ids
+            if index == 0:  # cumulative (the last chunk's is a copy): no copy per chunk
+                ids = chunk["output_ids"]
+        return list(ids)
 
     def reset_cache(self) -> bool:
         out = self.engine.flush_cache()
@@ -364,9 +378,15 @@ class SglangDriver(Driver):
         self.engine.shutdown()
 
 
-def measure(driver: Driver, w: Workload, args: Any) -> dict[str, Any]:
+def measure(
+    driver: Driver,
+    w: Workload,
+    args: Any,
+    progress: Callable[[dict[str, Any]], object] = lambda summary: None,
+) -> dict[str, Any]:
     """One warm-up run (not timed), then ``args.reps`` timed runs, each after a prefix-cache
-    reset; their median, min and max, and each run's metrics."""
+    reset; their median, min and max, and each run's metrics. ``progress(summary)`` after
+    every timed run but the last: the summary so far, marked ``partial``."""
     runs = []
     resets = []
     for rep in range(args.reps + 1):
@@ -378,12 +398,16 @@ def measure(driver: Driver, w: Workload, args: Any) -> dict[str, Any]:
         print(f"  {w.name} {'warm-up' if rep == 0 else f'rep {rep}'}: {run}", flush=True)
         if rep:
             runs.append(run)
-    return {**summarize_reps(runs), "runs": runs, "cache_resets_ok": all(resets)}
+            summary = {**summarize_reps(runs), "runs": runs, "cache_resets_ok": all(resets)}
+            if rep < args.reps:
+                progress({**summary, "partial": True})
+    return summary
 
 
 def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
     """The worker of ``tools.serving.bench``: start the engine with ``args.worker`` and
-    measure every workload, calling ``save(result)`` after each."""
+    measure every workload, calling ``save(result)`` after each (and after each of its timed
+    runs but the last, with what it has so far)."""
     from tools.serving.workloads import parse_sizes
 
     sizes = parse_sizes(args.size)
@@ -401,7 +425,12 @@ def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
         for name in args.workloads:
             for w in build(name, sizes, args.seed):
                 print(f"{args.worker}: {w.name} {w.describe()}", flush=True)
-                result["workloads"][w.name] = measure(driver, w, args)
+
+                def progress(summary: dict[str, Any], key: str = w.name) -> None:
+                    result["workloads"][key] = summary  # kept if the worker is cut off
+                    save(result)
+
+                result["workloads"][w.name] = measure(driver, w, args, progress)
                 save(result)
         result["finished"] = True
         save(result)

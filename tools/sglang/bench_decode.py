@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tools import RESULTS, installed_version
+from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
@@ -246,8 +246,8 @@ def main() -> int:
         workload(spec, 1)  # validate before starting any engine
     if args.one:
         path = args.out / f"bench_decode_{args.one}.json"
-        data = bench_backend(args.model, args.one, args, lambda d: path.write_text(json.dumps(d)))
-        path.write_text(json.dumps(data))
+        data = bench_backend(args.model, args.one, args, lambda d: write_atomic(path, d))
+        write_atomic(path, data)
         return 0
 
     deadline = time.monotonic() + args.budget

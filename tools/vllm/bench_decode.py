@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools import RESULTS, installed_version
+from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
@@ -151,7 +151,7 @@ def run_worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
     out["info"] = llm.collective_rpc(worker_info)[0]
-    Path(args.result).write_text(json.dumps(out))
+    write_atomic(Path(args.result), out)
     print(args.worker, json.dumps(out), flush=True)
 
     def timed(prompts: list[Any], n: int) -> float:
@@ -182,13 +182,13 @@ def run_worker(args: argparse.Namespace) -> None:
                 f"(pairs {step['min']:.2f}-{step['max']:.2f})",
                 flush=True,
             )
-            Path(args.result).write_text(json.dumps(out))
+            write_atomic(Path(args.result), out)
             if args.profile:  # a separate, profiled generation: never in the timings above
                 llm.start_profile(f"{kind}-B{batch}")
                 timed(prompts, PROFILE_TOKENS)
                 llm.stop_profile()
     out["info_after"] = llm.collective_rpc(worker_info)[0]
-    Path(args.result).write_text(json.dumps(out))
+    write_atomic(Path(args.result), out)
 
 
 def main() -> int:
