@@ -129,10 +129,7 @@ def default_options() -> StepOptions:
 
 # ------------------------------------------------------------------ capability probes
 def _kernels_loaded() -> bool:
-    try:
-        return bool(library.cuda_ops_available())
-    except (OSError, RuntimeError):
-        return False
+    return bool(library.cuda_ops_available())
 
 
 def cuda_graphs_available() -> bool:
@@ -154,18 +151,7 @@ def kernels_unavailable_reason(device: torch.device | str | None) -> str | None:
     orders of magnitude slower, with nothing else telling the user."""
     if device is None or torch.device(device).type != "cuda" or _kernels_loaded():
         return None
-    status = getattr(library, "kernels_status", None)
-    detail: str | None = None
-    if callable(status):
-        try:
-            detail = str(status()).removeprefix("not available: ")
-        except Exception as e:  # the probe's own failure is the best reason there is
-            detail = f"{type(e).__name__}: {e}"
-    if not detail:
-        detail = (
-            "the prefixattn library with CUDA kernels was not found or could not be loaded "
-            f"(torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})"
-        )
+    detail = library.kernels_status().removeprefix("not available: ")
     return (
         f"prefixattn: the compiled CUDA kernels are not available: {detail}. Without them "
         "attention would run on the slow PyTorch reference (`prefixattn info` shows what was "
