@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -193,12 +194,7 @@ def plan_bench(argv: list[str] | None = None) -> int:
         pa = PrefixAttention(hq, hkv, 128, ps)
         if args.no_narrow:
             pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
-        impls = ("native", "python") if args.impl == "both" else (args.impl,)
-        for impl in impls:
-            pa.native_plan = impl == "native"
-            if impl == "native" and not library.native_plan_available():
-                print(f"page_size {ps:>3}: the native planner is not built")
-                continue
+        for impl in _planners(pa, args.impl, ps):
             times = []
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
@@ -212,6 +208,17 @@ def plan_bench(argv: list[str] | None = None) -> int:
                 f"p90 {np.percentile(t, 90):.3f}) over {args.repeat} runs, {items} items"
             )
     return 0
+
+
+def _planners(pa: PrefixAttention, impl: str, ps: int) -> Iterator[str]:
+    """Set ``pa`` to each planner ``impl`` names ("native", "python" or "both") in turn, and
+    yield its name; a native planner that is not built is reported and skipped."""
+    for name in ("native", "python") if impl == "both" else (impl,):
+        pa.native_plan = name == "native"
+        if name == "native" and not library.native_plan_available():
+            print(f"page_size {ps:>3}: the native planner is not built")
+            continue
+        yield name
 
 
 def _chunk_arg(text: str) -> tuple[int, int]:
@@ -239,12 +246,7 @@ def _chunk_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
         table = rng.permutation(cols).astype(np.int32)[None, :]
         lens, indptr = np.array([context]), np.array([0, tokens])
         pa = PrefixAttention(hq, hkv, 128, ps)
-        impls = ("native", "python") if args.impl == "both" else (args.impl,)
-        for impl in impls:
-            pa.native_plan = impl == "native"
-            if impl == "native" and not library.native_plan_available():
-                print(f"page_size {ps:>3}: the native planner is not built")
-                continue
+        for impl in _planners(pa, args.impl, ps):
             pa.plan(table[:, : min(cols, 64)], np.array([min(context, 64 * ps)]), np.array([0, 1]))
             rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             times = []

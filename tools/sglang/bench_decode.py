@@ -40,7 +40,6 @@ time and the rest of the step; ``tools/trace_summary.py``) to the results.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import random
@@ -55,6 +54,7 @@ from typing import Any
 
 from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
+from tools.serving.workloads import distinct_tokens
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
 
@@ -94,19 +94,6 @@ def workload(spec: str, batch: int, seed: int = 0) -> tuple[list[list[int]], lis
     if kind == "none":
         return [toks(prefix + TAIL) for _ in range(batch)], []
     raise ValueError(f"unknown workload kind {kind!r} (shared1, shared3, none)")
-
-
-def distinct_tokens(prompts: list[list[int]]) -> int:
-    """KV tokens the radix cache holds for these prompts (shared prefixes once): the sum of
-    lengths minus each prompt's longest common prefix with its neighbour in sorted order."""
-    ps = sorted(prompts)
-    total = sum(len(p) for p in ps)
-    for a, b in itertools.pairwise(ps):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        total -= n
-    return total
 
 
 def bench_backend(

@@ -72,16 +72,9 @@ def create_backend(model_runner: Any) -> Any:
 
 def register() -> None:
     """Add ``noattn`` to SGLang's attention-backend choices and registry (idempotent)."""
-    from sglang.srt.layers.attention.attention_registry import (
-        ATTENTION_BACKENDS,
-        register_attention_backend,
-    )
-    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from prefixattn.adapters.sglang.plugin import register_backend
 
-    if NAME not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([NAME])
-    if ATTENTION_BACKENDS.get(NAME) is not create_backend:
-        register_attention_backend(NAME)(create_backend)
+    register_backend(NAME, create_backend)
 
 
 def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -25,15 +25,21 @@ def create_backend(model_runner: Any) -> Any:
     return PrefixAttnBackend(model_runner)
 
 
-def register() -> None:
-    """Add ``prefixattn`` to SGLang's attention-backend choices and registry (idempotent)."""
+def register_backend(name: str, factory: Any) -> None:
+    """Add ``name`` to SGLang's attention-backend choices and its ``factory`` (``fn(model_runner)
+    -> AttentionBackend``) to the registry (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
         register_attention_backend,
     )
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([BACKEND_NAME])
-    if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_backend:
-        register_attention_backend(BACKEND_NAME)(create_backend)
+    if name not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([name])
+    if ATTENTION_BACKENDS.get(name) is not factory:
+        register_attention_backend(name)(factory)
+
+
+def register() -> None:
+    """Add ``prefixattn`` to SGLang's attention-backend choices and registry (idempotent)."""
+    register_backend(BACKEND_NAME, create_backend)
