@@ -159,21 +159,19 @@ def load_plan_arrays(
         assert page_table is not None
         arrays = {n: a for n, a in arrays.items() if n != "kv_pages"}
         arrays["page_run_len"], arrays["page_run_delta"] = runs
-    if device.type == "cuda":
-        views = buffers().load(arrays)
-        if runs is not None:
+    views = buffers().load(arrays) if device.type == "cuda" else load_on_host(arrays)
+    if runs is not None:
+        lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
+        if device.type == "cuda":
             views["kv_pages"] = buffers().view("kv_pages", num_pages)
-    else:
-        views = load_on_host(arrays)
-        if runs is not None:
+        else:
             views["kv_pages"] = torch.empty(num_pages, dtype=torch.int32)
-        elif page_table is not None:  # keep the host arrays' positions
-            views["kv_pages"] = views["kv_pages"].clone()
+    elif page_table is not None and device.type != "cuda":  # keep the host arrays' positions
+        views["kv_pages"] = views["kv_pages"].clone()
     if page_table is not None:
         pages = views["kv_pages"]
         if pages.numel():
             if runs is not None:
-                lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
                 pos = torch.arange(num_pages, device=pages.device) + torch.repeat_interleave(
                     deltas.long(), lens.long(), output_size=num_pages
                 )
@@ -181,8 +179,6 @@ def load_plan_arrays(
                 pos = pages.long()
             width = page_table.shape[1]
             pages.copy_(page_table[pos // width, pos % width])
-    views.pop("page_run_len", None)
-    views.pop("page_run_delta", None)
     return views
 
 
