@@ -181,10 +181,26 @@ def plan_bench(argv: list[str] | None = None) -> int:
         help="instead of --tree: one request's prefill chunk of TOKENS new tokens into a "
         "CONTEXT-token context (e.g. 16384,1048576); also reports the host memory it takes",
     )  # fmt: skip
+    parser.add_argument(
+        "--decode-run", type=_decode_run_arg, metavar="REQUESTS,SHARED,PRIVATE",
+        help="instead of --tree: an engine's decode run of REQUESTS requests sharing a "
+        "SHARED-token prefix, each with PRIVATE tokens of its own, planned step by step as the "
+        "engine adapters plan them (StepPlanner, block table on --device); host time per step",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", default=None,
+        help="with --decode-run: where the block table lives (default cuda if available)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", type=positive_int, default=0, metavar="N",
+        help="with --decode-run: print the N functions with the most cumulative time",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hq, hkv = args.heads
     if args.chunk is not None:
         return _chunk_bench(args, hq, hkv)
+    if args.decode_run is not None:
+        return _decode_run_bench(args, hq, hkv)
     tree = args.tree
     print(
         f"tree {tree}: {tree.batch_size} requests x {tree.seq_len} tokens, packing {args.packing}"
@@ -263,6 +279,93 @@ def _chunk_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
                 f"{t.min():.1f}) over {args.repeat} runs, peak memory growth {grew:.0f} MiB, "
                 f"{plan.num_work_items} items, {len(plan.host.kv_pages)} page ids"
             )
+    return 0
+
+
+def _decode_run_arg(text: str) -> tuple[int, int, int]:
+    try:
+        requests, shared, private = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected REQUESTS,SHARED,PRIVATE, got {text!r}"
+        ) from None
+    if not (0 < requests <= 4096 and shared >= 0 and private > 0 and shared + private < 2**24):
+        raise argparse.ArgumentTypeError(
+            "need 0 < REQUESTS <= 4096, SHARED >= 0, PRIVATE > 0 and SHARED + PRIVATE < 2**24, "
+            f"got {text}"
+        )
+    return requests, shared, private
+
+
+def _decode_run_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
+    """Plan ``--repeat`` decode steps of one batch the way the engine adapters do
+    (:class:`~prefixattn.engine.step.StepPlanner`): each step one more token per request,
+    the block table on ``--device``. Reports the host time of each plan kind; on CUDA also
+    the time until the plan's device work is done."""
+    import cProfile
+    import pstats
+
+    from .engine.step import StepPlanner
+
+    requests, shared, private = args.decode_run
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    steps = args.repeat
+    for ps in args.page_sizes:
+        # Row r: the shared pages, then its own pages for the whole run (the tables an
+        # engine keeps: a request's row holds the pages it will fill).
+        shared_cols = shared // ps  # a partly filled last page is private
+        cols = -(-(shared + private + steps) // ps)
+        table = np.empty((requests, cols), dtype=np.int32)
+        table[:, :shared_cols] = np.arange(shared_cols)
+        own = cols - shared_cols
+        table[:, shared_cols:] = shared_cols + np.arange(requests * own).reshape(requests, own)
+        device_table = torch.from_numpy(table).to(device)
+        seq_lens = np.full(requests, shared + private, dtype=np.int64)
+        indptr = np.arange(requests + 1, dtype=np.int64)
+        def new_attention(ps: int = ps) -> PrefixAttention:
+            return PrefixAttention(hq, hkv, 128, ps, device=device)
+
+        planner = StepPlanner(new_attention, ps)
+        attention = planner.attention_for(graph=False)
+        host: dict[str, list[float]] = {}
+        done: dict[str, list[float]] = {}
+        profiler = cProfile.Profile() if args.profile else None
+        for _ in range(steps):
+            choice = planner.choose(requests, decode=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            if choice.device_table:
+                planner.plan_device(
+                    attention, choice, device_table, seq_lens, indptr, num_real=requests
+                )
+            else:
+                planner.plan_host(attention, table, seq_lens, indptr, num_real=requests)
+            if profiler is not None:
+                profiler.disable()
+            t1 = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize(device)
+            t2 = time.perf_counter()
+            host.setdefault(choice.kind, []).append((t1 - t0) * 1e3)
+            done.setdefault(choice.kind, []).append((t2 - t0) * 1e3)
+            seq_lens = seq_lens + 1
+        print(
+            f"decode run: {requests} requests, {shared} shared + {private} private tokens, "
+            f"page_size {ps}, {steps} steps on {device}"
+        )
+        for kind, times in host.items():
+            t, d = np.asarray(times), np.asarray(done[kind])
+            line = f"  {kind:>8}: {len(t):>3} steps, host median {np.median(t):.3f} ms"
+            line += f" (min {t.min():.3f}, max {t.max():.3f})"
+            if cuda:
+                line += f", with its device work {np.median(d):.3f} ms"
+            print(line)
+        if profiler is not None:
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
     return 0
 
 

@@ -344,24 +344,29 @@ class StepPlanner:
             else:
                 raise ValueError(f"plan_device plans unshared or hinted steps, not {choice.kind}")
         self.plan_kinds[choice.kind] += 1
+        if self._hint_is_current(seq_lens, rows, num_real):
+            # A decode run of the batch already looked at: its first pages (the probe's
+            # verdict) and its rows (the hint) are those of the run's first step.
+            return plan
         first = table[:, 0]
         real = None
         if table.shape[0] > num_real:  # padding rows of the engine's table: left out
             real = torch.arange(table.shape[0], device=first.device) < num_real
         self.probe.start(first, real)
-        if self.options.hinted_plans and not self._hint_is_current(seq_lens, rows, num_real):
+        if self.options.hinted_plans:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size)
         return plan
 
     def _hint_is_current(self, seq_lens: np.ndarray, rows: Any, num_real: int) -> bool:
-        """True while the batch is the one whose rows were last copied, every request some
+        """True while the batch is the one whose rows were last looked at, every request some
         steps further by one token per step, for fewer than :data:`HINT_REFRESH_STEPS` steps:
         a decode run. Its pages past the copy are unknown to the hint, so planned as private,
         which a decode run's new pages are; copying the whole table again every step (O(
-        requests x context) host work at page size 1) would tell nothing more. Otherwise
-        (requests joined, left, moved or took several tokens) the rows are copied again."""
+        requests x context) host work at page size 1) would tell nothing more, and its requests
+        keep their first pages (the probe's verdict). Otherwise (requests joined, left, moved
+        or took several tokens) the rows are looked at again."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         key = (num_real, None if rows is None else np.asarray(rows)[:num_real].tobytes())
         if self._hint_run is not None:

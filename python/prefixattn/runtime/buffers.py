@@ -22,55 +22,81 @@ from ..plan.types import LaunchPlan
 
 
 class PlanBuffers:
-    """Per-array int32 device buffers plus a pinned staging buffer."""
+    """The plan's int32 device arrays, at fixed places in one device buffer, plus a pinned
+    staging buffer of the same layout, so that loading a plan is one host-to-device copy.
+
+    Each array has a capacity; an array that outgrows it doubles, and the whole buffer is laid
+    out again (``generation`` increases: every array moved). ``kv_pages`` goes last, so a plan
+    whose page ids the device fills itself copies only the smaller arrays before it.
+    """
+
+    _LAST = "kv_pages"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generation = 0
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._capacity: dict[str, int] = {}
+        self._offset: dict[str, int] = {}
+        self._device = torch.empty(0, dtype=torch.int32, device=device)
         self._staging = torch.empty(0, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
 
     def capacity(self, name: str) -> int:
-        buf = self._buffers.get(name)
-        return 0 if buf is None else buf.numel()
+        return self._capacity.get(name, 0)
 
     def reserve(self, **sizes: int) -> None:
-        """Make sure buffer ``name`` holds at least ``sizes[name]`` entries."""
+        """Make sure array ``name`` holds at least ``sizes[name]`` entries."""
+        grown = False
         for name, size in sizes.items():
-            if name not in self._buffers or self.capacity(name) < size:
-                self._buffers[name] = torch.empty(
-                    max(size, 2 * self.capacity(name), 64), dtype=torch.int32, device=self.device
-                )
-                self.generation += 1
+            have = self._capacity.get(name)
+            if have is None or have < size:
+                self._capacity[name] = max(size, 2 * (have or 0), 64)
+                grown = True
+        if not grown:
+            return
+        names = sorted(self._capacity, key=lambda n: n == self._LAST)
+        offset = 0
+        for name in names:
+            self._offset[name] = offset
+            offset += self._capacity[name]
+        self._device = torch.empty(offset, dtype=torch.int32, device=self.device)
+        self.generation += 1
+
+    def _slice(self, name: str, n: int) -> torch.Tensor:
+        o = self._offset[name]
+        return self._device[o : o + n]
 
     def view(self, name: str, n: int) -> torch.Tensor:
-        """The first ``n`` entries of buffer ``name`` (grown first where it is smaller), for
+        """The first ``n`` entries of array ``name`` (grown first where it is smaller), for
         an array the device fills itself."""
         self.reserve(**{name: n})
-        return self._buffers[name][:n]
+        return self._slice(name, n)
 
-    def load(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Copy host int32 arrays into their buffers; returns views of the used prefixes."""
-        self.reserve(**{name: len(a) for name, a in arrays.items()})
-        total = sum(len(a) for a in arrays.values())
+    def load(
+        self, arrays: dict[str, np.ndarray], filled: dict[str, int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copy host int32 arrays into their places (one copy); returns views of the used
+        prefixes. ``filled``: sizes of arrays the device will fill (reserved with the others,
+        so that no later growth moves the arrays loaded here; use :meth:`view` for them)."""
+        self.reserve(**{name: len(a) for name, a in arrays.items()}, **(filled or {}))
         if self._copied is not None:
-            self._copied.synchronize()
-        if self._staging.numel() < total:
-            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int32,
-                                        pin_memory=True)  # fmt: skip
+            self._copied.synchronize()  # the staging buffer's previous copy has been read
+        size = self._device.numel()
+        if self._staging.numel() < size:
+            self._staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
         staging = self._staging.numpy()
         views: dict[str, torch.Tensor] = {}
-        offset = 0
+        lo, hi = size, 0
         for name, a in arrays.items():
-            n = len(a)
-            staging[offset : offset + n] = a
-            dst = self._buffers[name][:n]
-            dst.copy_(self._staging[offset : offset + n], non_blocking=True)
-            views[name] = dst
-            offset += n
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+            o, n = self._offset[name], len(a)
+            staging[o : o + n] = a
+            views[name] = self._slice(name, n)
+            if n:
+                lo, hi = min(lo, o), max(hi, o + n)
+        if hi > lo:
+            self._device[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return views
 
 
@@ -155,31 +181,61 @@ def load_plan_arrays(
     ``i + run_delta[r]``), so the host ships O(runs), not O(pages).
     """
     num_pages = len(arrays["kv_pages"])
+    cuda = device.type == "cuda"
     if runs is not None:
         assert page_table is not None
         arrays = {n: a for n, a in arrays.items() if n != "kv_pages"}
         arrays["page_run_len"], arrays["page_run_delta"] = runs
-    views = buffers().load(arrays) if device.type == "cuda" else load_on_host(arrays)
+    if cuda:
+        target = buffers()
+        views = target.load(arrays, {"kv_pages": num_pages} if runs is not None else None)
+    else:
+        views = load_on_host(arrays)
     if runs is not None:
         lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
-        if device.type == "cuda":
-            views["kv_pages"] = buffers().view("kv_pages", num_pages)
+        if cuda:
+            views["kv_pages"] = target.view("kv_pages", num_pages)
         else:
             views["kv_pages"] = torch.empty(num_pages, dtype=torch.int32)
-    elif page_table is not None and device.type != "cuda":  # keep the host arrays' positions
+    elif page_table is not None and not cuda:  # keep the host arrays' positions
         views["kv_pages"] = views["kv_pages"].clone()
     if page_table is not None:
         pages = views["kv_pages"]
         if pages.numel():
             if runs is not None:
-                pos = torch.arange(num_pages, device=pages.device) + torch.repeat_interleave(
-                    deltas.long(), lens.long(), output_size=num_pages
+                # Entry i of run r stands for position i + delta[r].
+                pos = _arange(num_pages, pages.device) + torch.repeat_interleave(
+                    deltas, lens, output_size=num_pages
                 )
             else:
-                pos = pages.long()
-            width = page_table.shape[1]
-            pages.copy_(page_table[pos // width, pos % width])
+                pos = pages.clone()
+            _gather_positions(page_table, pos, pages)
     return views
+
+
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` (int64) on ``device``, a view of a kept one where it is long
+    enough (one op less per use)."""
+    have = _ARANGE.get(device)
+    if have is None or have.numel() < n:
+        have = torch.arange(max(n, 2 * (0 if have is None else have.numel()), 1 << 16),
+                            device=device)  # fmt: skip
+        _ARANGE[device] = have
+    return have[:n]
+
+
+def _gather_positions(table: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = table[pos[i] // W, pos[i] % W]`` for the [R, W] ``table``: one gather from
+    its memory where it is contiguous, else by row and column."""
+    if table.is_contiguous():
+        torch.index_select(table.view(-1), 0, pos, out=out)
+    else:
+        width = table.shape[1]
+        pos = pos.long()
+        out.copy_(table[pos // width, pos % width])
 
 
 def pages_differ(
@@ -192,23 +248,24 @@ def pages_differ(
     ``block_table`` (int32 [R, W]). ``runs``: int32 arrays ``a``, ``b`` (first positions,
     row * W + column, of the two runs) and ``n`` (pages of each run), all of one length; read
     in stream order, without a sync (on a CUDA device through ``state.check_buffers``)."""
-    a0, n = runs["a"], runs["n"]
+    n = runs["n"]
     if not n.size:
         return torch.zeros((), dtype=torch.bool, device=device)
-    width = block_table.shape[1]
-    start = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
-    total = int(start[-1])
-    arrays = {"a": a0, "b": runs["b"], "n": n, "start": start[:-1].astype(np.int32)}
+    start = np.cumsum(n, dtype=np.int64) - n
+    total = int(start[-1] + n[-1])
+    # The runs of a, then those of b: entry i of the 2 * total stands for position
+    # i + delta of its run, delta = a - start or b - start - total.
+    arrays = {
+        "delta": np.concatenate([runs["a"] - start, runs["b"] - start - total]).astype(np.int32),
+        "n": np.concatenate([n, n]).astype(np.int32),
+    }
     v = state.check_buffers.load(arrays) if state is not None else load_on_host(arrays)
-    seg = torch.repeat_interleave(
-        torch.arange(n.size, device=device), v["n"].long(), output_size=total
+    idx = _arange(2 * total, device) + torch.repeat_interleave(
+        v["delta"], v["n"], output_size=2 * total
     )
-    off = torch.arange(total, device=device) - v["start"].long()[seg]
-    pa = v["a"].long()[seg] + off
-    pb = v["b"].long()[seg] + off
-    pages_a = block_table[pa // width, pa % width]
-    pages_b = block_table[pb // width, pb % width]
-    return (pages_a != pages_b).any()
+    pages = torch.empty(2 * total, dtype=block_table.dtype, device=device)
+    _gather_positions(block_table, idx, pages)
+    return (pages[:total] != pages[total:]).any()
 
 
 __all__ = [
