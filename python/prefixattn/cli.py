@@ -323,6 +323,7 @@ def _decode_run_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
         device_table = torch.from_numpy(table).to(device)
         seq_lens = np.full(requests, shared + private, dtype=np.int64)
         indptr = np.arange(requests + 1, dtype=np.int64)
+
         def new_attention(ps: int = ps) -> PrefixAttention:
             return PrefixAttention(hq, hkv, 128, ps, device=device)
 
