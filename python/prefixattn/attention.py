@@ -20,6 +20,7 @@ import torch
 
 from . import checks
 from .options import LaunchOptions, PlanOptions
+from .plan.advance import ADVANCE_STEPS, advance
 from .plan.device_table import (
     hint_checks,
     hint_positions,
@@ -270,6 +271,9 @@ class PrefixAttention:
         # The last planning tables of device-table plans and what they were made from
         # (_positions_table, _hinted_table): a decode run plans from the same ones each step.
         self._table_memo: dict[str, tuple[tuple[Any, ...], np.ndarray]] = {}
+        # The last host plan of each kind of device-table plan and its inputs, which the next
+        # decode step's plan advances (plan.advance) instead of planning afresh.
+        self._advance_memo: dict[tuple[Any, ...], _Advanceable] = {}
         self._plan_lock = threading.RLock()
         self._generation = 0
         """Plans loaded into the main buffers so far (CUDA): a plan of another generation
@@ -754,14 +758,26 @@ class PrefixAttention:
         options = self.plan_options
         if options.split_target is None:
             options.split_target = _sm_count(self.device)
-        native = options.native_plan and library.native_plan_available()
-        hp = build_host_plan(
-            table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
-            split_target=options.split_target, sm_count=_sm_count(self.device), native=native,
-            finish_in_leaf=options.finish_in_leaf,
-            one_launch_in_one_wave=options.one_launch_in_one_wave, pack_heads=options.pack_heads,
-            max_bytes=options.max_plan_bytes, page_ids=page_table is None,
-        )  # fmt: skip
+        hp = None
+        if page_table is not None:
+            assert row_of is not None
+            key = (packing, split_kv, buffers is None, dataclasses.astuple(options), self.tiles)
+            hp = self._advanced(key, table, lens, indptr, row_of)
+        if hp is None:
+            native = options.native_plan and library.native_plan_available()
+            hp = build_host_plan(
+                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
+                split_target=options.split_target, sm_count=_sm_count(self.device),
+                native=native, finish_in_leaf=options.finish_in_leaf,
+                one_launch_in_one_wave=options.one_launch_in_one_wave,
+                pack_heads=options.pack_heads, max_bytes=options.max_plan_bytes,
+                page_ids=page_table is None,
+            )  # fmt: skip
+            if page_table is not None:
+                assert row_of is not None
+                self._advance_memo[key] = _Advanceable(
+                    table, row_of.copy(), indptr.copy(), lens.copy(), hp, 0
+                )
         arrays = hp.device_arrays()
         runs = None
         if page_table is not None:
@@ -795,6 +811,33 @@ class PrefixAttention:
         if remember:
             self._local.plan = plan
         return plan
+
+    def _advanced(
+        self,
+        key: tuple[Any, ...],
+        table: np.ndarray,
+        lens: np.ndarray,
+        indptr: np.ndarray,
+        row_of: np.ndarray,
+    ) -> HostPlan | None:
+        """The last device-table plan of this ``key`` advanced to ``lens`` (a decode step
+        of the same batch, from the same planning ``table``), else None."""
+        last = self._advance_memo.get(key)
+        if (
+            last is None
+            or last.table is not table
+            or last.steps >= ADVANCE_STEPS
+            or len(last.lens) != len(lens)
+            or not np.array_equal(last.indptr, indptr)
+            or not np.array_equal(last.row_of, row_of)
+        ):
+            return None
+        hp = advance(last.plan, last.lens, lens, indptr, self.page_size, self._shape.kv_bytes(1))
+        if hp is not None:
+            self._advance_memo[key] = _Advanceable(
+                table, last.row_of, last.indptr, lens.copy(), hp, last.steps + 1
+            )
+        return hp
 
     def _launch_plan(
         self,
@@ -838,6 +881,19 @@ class PrefixAttention:
             leaf_tiles=hp.leaf_tiles,
             narrow=hp.narrow,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Advanceable:
+    """A device-table host plan and the inputs it was planned (or advanced) for."""
+
+    table: np.ndarray
+    row_of: np.ndarray
+    indptr: np.ndarray
+    lens: np.ndarray
+    plan: HostPlan
+    steps: int
+    """Advances since it was planned afresh."""
 
 
 class CapturedBuffers:

@@ -902,3 +902,67 @@ def test_cuda_graph_replays_hinted_plans():
             assert bool(plan.fallback_taken) == (kind == "one_row"), spec
         assert pa.buffers_generation == generation, "reserve() was too small for this test"
         _replay_matches(graph, q, out, k, v, table, lens, gen, f"{spec} ({kind})")
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize(("ps", "shared"), [(1, 1024), (16, 1024), (1, 0), (16, 0)])
+def test_decode_runs_with_advanced_plans(monkeypatch, ps, shared, graph):
+    """Decode runs planned as the engine adapters plan them: after the first steps each plan
+    is the previous one advanced by a token per request (plan.advance), whose private items
+    grow past the 128-token tile-width boundary they were planned with; eager and replayed
+    from a CUDA graph captured once."""
+    import prefixattn.attention as attention_module
+    from prefixattn.engine.step import StepPlanner
+    from prefixattn.plan.advance import advance
+
+    counts = {"advanced": 0}
+
+    def counted(*args, **kwargs):
+        hp = advance(*args, **kwargs)
+        counts["advanced"] += hp is not None
+        return hp
+
+    monkeypatch.setattr(attention_module, "advance", counted)
+    hq, hkv, d, b, steps = 32, 8, 128, 48, 40
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    width = -(-(shared + 112 + steps + 8) // ps)
+    table = (np.arange(b * width).reshape(b, width) + shared // ps).astype(np.int32)
+    table[:, : shared // ps] = np.arange(shared // ps)
+    k, v = make_cache(int(table.max()) + 1, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
+    device_table = torch.from_numpy(table).to(DEV)
+    lens = (shared + 110 + np.arange(b) % 3).astype(np.int64)
+    indptr = np.arange(b + 1)
+
+    def new_attention():
+        return prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
+
+    planner = StepPlanner(new_attention, ps)
+    if graph:
+        planner.reserve_graphs(b, b, width * ps)
+    attention = planner.attention_for(graph=graph)
+    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    captured = None
+    for step in range(steps):
+        choice = planner.choose(b, decode=True)
+        if choice.device_table:
+            planner.plan_device(attention, choice, device_table, lens, indptr, num_real=b)
+        else:
+            planner.plan_host(attention, table, lens, indptr, num_real=b)
+        if graph:
+            planner.check()
+            if captured is None:
+                attention.run(q, k, v, out=out)
+                torch.cuda.synchronize()
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    attention.run(q, k, v, out=out)
+            _replay_matches(captured, q, out, k, v, table, lens, gen, f"step {step}")
+        else:
+            q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+            got = attention.run(q, k, v)
+            ref = gathered_attention(q, k, v, table, lens, indptr, "NHD", 1.0 / math.sqrt(d))
+            err = (got.float() - ref).abs().max().item()
+            assert err < 4 * EPS[torch.bfloat16] * 4, f"step {step}: max error {err}"
+        lens = lens + 1
+    assert counts["advanced"] >= steps

@@ -1,0 +1,162 @@
+"""plan.advance: a decode step's plan from the previous step's, checked by running it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import prefixattn.attention as attention_module
+from prefixattn import PrefixAttention, attention_reference
+from prefixattn.engine.step import StepPlanner
+from prefixattn.plan.advance import ADVANCE_STEPS, advance
+from prefixattn.plan.device_table import table_positions
+
+
+@pytest.fixture
+def advances(monkeypatch):
+    """Counts of advance() calls by the planner: {"advanced": n, "refused": m}."""
+    counts = {"advanced": 0, "refused": 0}
+
+    def counted(*args, **kwargs):
+        hp = advance(*args, **kwargs)
+        counts["advanced" if hp is not None else "refused"] += 1
+        return hp
+
+    monkeypatch.setattr(attention_module, "advance", counted)
+    return counts
+
+
+def _batch(ps, requests, shared, private, steps, seed, groups=2):
+    """A block table: every row shares ``shared`` tokens of pages, rows of one group also
+    the group's next two pages, then pages of their own (enough for ``steps`` more tokens)."""
+    rng = np.random.default_rng(seed)
+    width = -(-(shared + private + 2 * ps + steps + 8) // ps) + 2
+    table = (np.arange(requests * width).reshape(requests, width) + 1000).astype(np.int32)
+    sc = shared // ps
+    table[:, :sc] = np.arange(sc)
+    for g in range(groups):
+        rows = np.arange(g, requests, groups)
+        table[rows, sc : sc + 2] = 500 + 2 * g + np.arange(2)
+    lens = shared + 2 * ps + private + rng.integers(0, 3, requests)
+    return table, lens.astype(np.int64)
+
+
+def _decode_run(ps, table, lens, steps, *, swap_at=None, seed=0):
+    """Plan and run ``steps`` decode steps the way the adapters do; max error per step."""
+    gen = torch.Generator().manual_seed(seed)
+    requests = table.shape[0]
+    num_pages = int(table.max()) + 1
+    k = torch.randn(num_pages, ps, 2, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(num_pages, ps, 2, 64, generator=gen, dtype=torch.float64)
+    device_table = torch.from_numpy(table.copy())
+    planner = StepPlanner(lambda: PrefixAttention(8, 2, 64, ps, dtype=torch.float64), ps)
+    attention = planner.attention_for(graph=False)
+    indptr = np.arange(requests + 1)
+    errors = []
+    for step in range(steps):
+        if step == swap_at:  # the engine moved two requests' rows: every hint goes stale
+            device_table[[0, 1]] = device_table[[1, 0]].clone()
+        choice = planner.choose(requests, decode=True)
+        if choice.device_table:
+            planner.plan_device(attention, choice, device_table, lens, indptr, num_real=requests)
+        else:
+            planner.plan_host(attention, device_table.numpy(), lens, indptr, num_real=requests)
+        q = torch.randn(requests, 8, 64, generator=gen, dtype=torch.float64)
+        out = attention.run(q, k, v)
+        ref = attention_reference(
+            q, k, v, device_table, torch.from_numpy(lens), torch.from_numpy(indptr)
+        )
+        errors.append((out - ref).abs().max().item())
+        lens = lens + 1
+    return errors, planner
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("shared", [0, 48])
+def test_decode_runs_advance_their_plans(advances, ps, shared):
+    table, lens = _batch(ps, 10, shared, 5, 40, seed=ps)
+    errors, planner = _decode_run(ps, table, lens, 40)
+    assert max(errors) < 1e-12
+    assert planner.plan_kinds["copy"] == 1
+    # Each plan kind is planned afresh every ADVANCE_STEPS + 1 steps and advanced otherwise.
+    assert advances["advanced"] >= 30
+    assert advances["refused"] == 0
+
+
+def test_a_stale_hint_falls_back_also_when_advanced(advances):
+    table, lens = _batch(1, 8, 24, 3, 20, seed=3)
+    errors, _ = _decode_run(1, table, lens, 20, swap_at=5)
+    assert max(errors) < 1e-12
+    assert advances["advanced"] > 0
+
+
+def test_requests_sharing_their_newest_pages_are_planned_afresh(advances):
+    # Every row the same (page size 4, so the newest page is shared too): the item ending at
+    # the requests' lengths serves all of them, so no step can be advanced.
+    ps, requests, width = 4, 6, 12
+    table = np.tile(np.arange(width, dtype=np.int32), (requests, 1))
+    lens = np.full(requests, 10, dtype=np.int64)
+    errors, planner = _decode_run(ps, table, lens, 6)
+    assert max(errors) < 1e-12
+    assert planner.plan_kinds["hinted"] == 5
+    assert advances["refused"] >= 1
+
+
+def _unshared_plan(ps=1, requests=4, length=20):
+    pa = PrefixAttention(8, 2, 64, ps, dtype=torch.float64)
+    width = 64
+    table = torch.arange(requests * width, dtype=torch.int32).view(requests, width)
+    lens = np.full(requests, length, dtype=np.int64)
+    pa.plan_unshared(table, lens)
+    memo = next(iter(pa._advance_memo.values()))
+    return memo.plan, lens
+
+
+def test_advance_refuses_what_is_no_decode_step():
+    hp, lens = _unshared_plan()
+    indptr = np.arange(len(lens) + 1)
+    assert advance(hp, lens, lens - 1, indptr, 1, 1) is None  # shorter
+    assert advance(hp, lens, lens + 2, indptr, 1, 1) is None  # two tokens
+    two = np.array([0, 2, 3, 4, 5])
+    assert advance(hp, lens, lens + 1, two, 1, 1) is None  # two query tokens
+    assert advance(hp, lens, lens, indptr, 1, 1) is hp  # nothing changed
+
+
+def test_advance_equals_a_fresh_plan_where_the_shape_is_the_same():
+    # Per-request items without splits: the advanced plan is the one planning would give.
+    for ps in (1, 4):
+        pa = PrefixAttention(8, 2, 64, ps, dtype=torch.float64)
+        requests, width = 5, 32
+        device_table = torch.arange(requests * width, dtype=torch.int32).view(requests, width)
+        lens = np.array([9, 30, 17, 4, 22], dtype=np.int64)
+        pa.plan_unshared(device_table, lens, split_kv=False)
+        before = next(iter(pa._advance_memo.values())).plan
+        advanced = advance(before, lens, lens + 1, np.arange(requests + 1), ps, 1)
+        assert advanced is not None
+        fresh = PrefixAttention(8, 2, 64, ps, dtype=torch.float64)
+        fresh.plan_unshared(device_table, lens + 1, split_kv=False)
+        expected = next(iter(fresh._advance_memo.values())).plan
+        for field in dataclasses.fields(expected.host):
+            if field.name == "kv_pages":  # positions in a fresh plan, zeros when advanced
+                assert len(advanced.host.kv_pages) == len(expected.host.kv_pages)
+                continue
+            got = getattr(advanced.host, field.name)
+            want = getattr(expected.host, field.name)
+            np.testing.assert_array_equal(got, want, err_msg=field.name)
+        np.testing.assert_array_equal(advanced.counts, expected.counts)
+        assert advanced.leaf_tiles == expected.leaf_tiles
+
+
+def test_plans_are_made_afresh_after_advance_steps(advances):
+    table = table_positions(np.arange(3), 200, 200)
+    pa = PrefixAttention(8, 2, 64, 1, dtype=torch.float64)
+    device_table = torch.from_numpy(table)
+    lens = np.full(3, 10, dtype=np.int64)
+    for _ in range(ADVANCE_STEPS + 2):
+        pa.plan_unshared(device_table, lens)
+        lens = lens + 1
+    assert advances["advanced"] == ADVANCE_STEPS
+    assert next(iter(pa._advance_memo.values())).steps == 0  # the last call planned afresh
