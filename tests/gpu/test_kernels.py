@@ -965,4 +965,4 @@ def test_decode_runs_with_advanced_plans(monkeypatch, ps, shared, graph):
             err = (got.float() - ref).abs().max().item()
             assert err < 4 * EPS[torch.bfloat16] * 4, f"step {step}: max error {err}"
         lens = lens + 1
-    assert counts["advanced"] >= steps
+    assert counts["advanced"] >= steps * 3 // 4  # planned afresh every 17 steps
