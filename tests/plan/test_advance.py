@@ -160,3 +160,29 @@ def test_plans_are_made_afresh_after_advance_steps(advances):
         lens = lens + 1
     assert advances["advanced"] == ADVANCE_STEPS
     assert next(iter(pa._advance_memo.values())).steps == 0  # the last call planned afresh
+
+
+def test_a_taken_fallback_leaves_the_advanced_plans_counts_intact():
+    # On the CPU the plan's tensors share the host plan's memory; masking a hinted plan's
+    # counts (its fallback taken) must not reach the host plan that later steps advance.
+    requests, width = 4, 64
+    table = (np.arange(requests * width).reshape(requests, width) + 100).astype(np.int32)
+    table[:, :8] = np.arange(8)
+    hint = table.copy()
+    hint.flags.writeable = False
+    device_table = torch.from_numpy(table.copy())
+    pa = PrefixAttention(8, 2, 64, 1, dtype=torch.float64)
+    lens = np.full(requests, 12, dtype=np.int64)
+    for step in range(5):
+        if step == 2:
+            device_table[1, :8] += 500  # the hint goes stale: the fallback is taken
+        if step == 3:
+            device_table[1, :8] -= 500  # and right again
+        plan = pa.plan_hinted(device_table, hint, lens)
+        assert plan.fallback is not None
+        taken = bool(plan.fallback_taken)
+        assert taken == (step == 2)
+        used, idle = (plan.fallback, plan) if taken else (plan, plan.fallback)
+        assert int(used.counts[0]) == used.num_work_items > 0
+        assert int(idle.counts[0]) == 0
+        lens = lens + 1

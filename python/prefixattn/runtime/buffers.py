@@ -101,9 +101,12 @@ class PlanBuffers:
 
 
 def load_on_host(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """CPU plans: tensors sharing the numpy arrays' memory."""
+    """CPU plans: tensors sharing the numpy arrays' memory, except ``counts``, which a
+    hinted plan masks in place (its host plan may be advanced for a later step)."""
     return {
-        name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+        name: torch.from_numpy(
+            np.array(a, dtype=np.int32) if name == "counts" else np.ascontiguousarray(a, np.int32)
+        )
         for name, a in arrays.items()
     }
 
