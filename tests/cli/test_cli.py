@@ -38,6 +38,19 @@ def test_plan_bench_chunk(capsys: pytest.CaptureFixture[str]) -> None:
     assert "8 items, 65536 page ids" in out and "8 items, 4096 page ids" in out
 
 
+def test_plan_bench_decode_run(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan-bench", "--decode-run", "16,256,8", "--page-sizes", "1,16", "--repeat", "20"]
+    assert main([*argv, "--device", "cpu", "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    # The first step copies the table; the rest plan from the device table with the hint.
+    assert out.count("copy:   1 steps") == 2 and out.count("hinted:  19 steps") == 2
+    assert "cumulative" in out  # the profile
+    with pytest.raises(SystemExit):
+        main(["plan-bench", "--decode-run", "16,256"])
+    with pytest.raises(SystemExit):
+        main(["plan-bench", "--decode-run", "0,256,8"])
+
+
 def test_heads_take_both_forms(capsys: pytest.CaptureFixture[str]) -> None:
     for heads in ("8/2", "8,2"):
         assert main(["demo", "--tree", "1,2_16,3", "--heads", heads, "--page-size", "4"]) == 0
