@@ -910,7 +910,8 @@ def test_decode_runs_with_advanced_plans(monkeypatch, ps, shared, graph):
     """Decode runs planned as the engine adapters plan them: after the first steps each plan
     is the previous one advanced by a token per request (plan.advance), whose private items
     grow past the 128-token tile-width boundary they were planned with; eager and replayed
-    from a CUDA graph captured once."""
+    from a CUDA graph captured once. With sharing, a row changes under the hint at step 25
+    (the device check of the advanced plan takes the fallback)."""
     import prefixattn.attention as attention_module
     from prefixattn.engine.step import StepPlanner
     from prefixattn.plan.advance import advance
@@ -944,9 +945,16 @@ def test_decode_runs_with_advanced_plans(monkeypatch, ps, shared, graph):
     out = torch.empty_like(q)
     captured = None
     for step in range(steps):
+        if shared and step == 25:
+            # Row 1 now reads another page where the hint (copied earlier) says it shares
+            # page 0: the device check of the advanced plan must take the fallback.
+            table[1, 0] = 1
+            device_table[1, 0] = 1
         choice = planner.choose(b, decode=True)
         if choice.device_table:
-            planner.plan_device(attention, choice, device_table, lens, indptr, num_real=b)
+            plan = planner.plan_device(attention, choice, device_table, lens, indptr, num_real=b)
+            if shared and step == 25:
+                assert plan.fallback_taken is not None and bool(plan.fallback_taken)
         else:
             planner.plan_host(attention, table, lens, indptr, num_real=b)
         if graph:
