@@ -27,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from .device_table import stored_runs
 from .layout import COUNTS, LEAF_TILE_TOKENS, variant_bounds
 from .planner import HostPlan
 
@@ -62,9 +63,9 @@ def advance(
     slots = np.diff(h.q_indptr).astype(np.int64)
     slot_item = np.repeat(np.arange(n_items), slots)
     slot_req = np.searchsorted(indptr, h.q_tokens.astype(np.int64), side="right") - 1
-    # Items whose slots are all one request's: that request, else -1.
     if not len(slot_req):
         return None
+    # Items whose slots are all one request's: that request, else -1.
     first_req = slot_req[np.minimum(h.q_indptr[:-1], len(slot_req) - 1)]
     owner = np.where(slots > 0, first_req, -1)
     others = np.bincount(slot_item, weights=slot_req != owner[slot_item], minlength=n_items)
@@ -86,14 +87,8 @@ def advance(
     if (new_pages != old_pages).any():
         has = np.flatnonzero(new_pages > 0)
         off = h.kv_page_offset.astype(np.int64)[has]
-        o = np.argsort(off, kind="stable")
+        o, first, run = stored_runs(off, off + old_pages[has])
         has, off = has[o], off[o]
-        old_end = off + old_pages[has]
-        reach = np.maximum.accumulate(old_end)
-        opens = np.ones(len(off), dtype=bool)
-        opens[1:] = off[1:] >= reach[:-1]
-        run = np.cumsum(opens) - 1
-        first = np.flatnonzero(opens)
         rel = off - off[first][run]
         run_len = np.maximum.reduceat(rel + new_pages[has], first)
         start = np.cumsum(run_len) - run_len

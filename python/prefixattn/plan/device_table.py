@@ -94,6 +94,18 @@ def hint_positions(
     return positions.astype(np.int32)
 
 
+def stored_runs(off: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stored runs of ``kv_pages`` that items with entries ``[off, end)`` form: items whose
+    entries overlap belong to one run. Returns ``order`` (the items by offset, stable),
+    ``first`` (where in that order each run starts) and ``run`` (the run of each item in that
+    order)."""
+    order = np.argsort(off, kind="stable")
+    reach = np.maximum.accumulate(end[order])
+    opens = np.ones(len(order), dtype=bool)
+    opens[1:] = off[order][1:] >= reach[:-1]
+    return order, np.flatnonzero(opens), np.cumsum(opens) - 1
+
+
 def position_runs(
     host: PlanArrays, item_row: np.ndarray, width: int, page_size: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -119,13 +131,8 @@ def position_runs(
     off = host.kv_page_offset.astype(np.int64)[has]
     end = off + npages[has]
     delta = item_row.astype(np.int64)[has] * width + host.kv_start[has] // page_size - off
-    o = np.argsort(off, kind="stable")
+    o, first, run = stored_runs(off, end)
     off, end, delta = off[o], end[o], delta[o]
-    reach = np.maximum.accumulate(end)
-    opens = np.ones(len(off), dtype=bool)
-    opens[1:] = off[1:] >= reach[:-1]
-    first = np.flatnonzero(opens)
-    run = np.cumsum(opens) - 1
     run_start = off[first]
     run_end = np.maximum.reduceat(end, first)
     if (
