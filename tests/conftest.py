@@ -217,3 +217,17 @@ def check_merge_layout(plan) -> None:
         parts = h.merge_partials[h.merge_indptr[i] : h.merge_indptr[i + 1]]
         mine = owners[h.q_tokens[owners] == t]
         np.testing.assert_array_equal(np.sort(parts), np.sort(dec[mine]))
+
+
+def read_entries(host, page_size: int) -> np.ndarray:
+    """Indices of the ``kv_pages`` entries some work item reads (a device-table plan keeps
+    room after its runs for later decode steps, whose entries no item reads)."""
+    npages = -(-host.kv_len.astype(np.int64) // page_size)
+    starts = np.repeat(host.kv_page_offset.astype(np.int64), npages)
+    within = np.arange(int(npages.sum())) - np.repeat(np.cumsum(npages) - npages, npages)
+    return np.unique(starts + within)
+
+
+def read_pages(plan) -> list[int]:
+    """The page ids at :func:`read_entries` of a ``LaunchPlan``, in entry order."""
+    return plan.kv_pages.cpu()[read_entries(plan.host, plan.page_size)].tolist()

@@ -20,7 +20,7 @@ import torch
 
 from . import checks
 from .options import LaunchOptions, PlanOptions
-from .plan.advance import ADVANCE_STEPS, advance
+from .plan.advance import ADVANCE_STEPS, AdvanceIndex, advance, with_room
 from .plan.device_table import (
     hint_checks,
     hint_positions,
@@ -274,6 +274,8 @@ class PrefixAttention:
         # The last host plan of each kind of device-table plan and its inputs, which the next
         # decode step's plan advances (plan.advance) instead of planning afresh.
         self._advance_memo: dict[tuple[Any, ...], _Advanceable] = {}
+        # The hint checks of the last hinted plan's lineage (plan_hinted).
+        self._check_memo: tuple[tuple[Any, ...], dict[str, np.ndarray]] | None = None
         self._plan_lock = threading.RLock()
         self._generation = 0
         """Plans loaded into the main buffers so far (CUDA): a plan of another generation
@@ -531,7 +533,13 @@ class PrefixAttention:
         primary = self._plan_host(
             table, lens, indptr, "memory", True, page_table=block_table, row_of=row_of,
         )  # fmt: skip
-        runs = hint_checks(primary.host, indptr, row_of, width, ps)
+        # The checks look at shared items only, which advancing a plan leaves as they were.
+        check_key = (primary.lineage, indptr.tobytes(), row_of.tobytes(), width)
+        if self._check_memo is not None and self._check_memo[0] == check_key:
+            runs = self._check_memo[1]
+        else:
+            runs = hint_checks(primary.host, indptr, row_of, width, ps)
+            self._check_memo = (check_key, runs)
         taken = pages_differ(block_table, runs, state, self.device)
         primary.counts.mul_((~taken).to(torch.int32))
         fallback.counts.mul_(taken.to(torch.int32))
@@ -775,6 +783,8 @@ class PrefixAttention:
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None
+                room = self._page_room(buffers, len(hp.host.kv_pages))
+                hp = with_room(hp, self.page_size, room)
                 self._advance_memo[key] = _Advanceable(
                     table, row_of.copy(), indptr.copy(), lens.copy(), hp, 0
                 )
@@ -783,7 +793,19 @@ class PrefixAttention:
         if page_table is not None:
             assert row_of is not None
             width, ps = page_table.shape[1], self.page_size
-            runs = position_runs(hp.host, item_rows(hp.host, indptr, row_of)[1], width, ps)
+            # The runs stay the same while the advanced plans' pages do not move.
+            kept = self._advance_memo[key].kept
+            layout = (hp.host.kv_page_offset, len(hp.host.kv_pages), width)
+            last_runs = kept.get("runs")
+            if (
+                last_runs is not None
+                and last_runs[0][0] is layout[0]
+                and last_runs[0][1:] == layout[1:]
+            ):
+                runs = last_runs[1]
+            else:
+                runs = position_runs(hp.host, item_rows(hp.host, indptr, row_of)[1], width, ps)
+                kept["runs"] = (layout, runs)
             if runs is None:
                 arrays["kv_pages"] = hint_positions(hp.host, indptr, row_of, width, ps)
         generation = None
@@ -812,6 +834,15 @@ class PrefixAttention:
             self._local.plan = plan
         return plan
 
+    def _page_room(self, buffers: PlanBuffers | None, pages: int) -> int | None:
+        """Page entries a device-table plan of ``pages`` may take with room to advance
+        (:func:`with_room`): what its CUDA buffers hold where they hold that many already
+        (so that the room never moves a reserved buffer), else no limit."""
+        if self.device.type != "cuda":
+            return None
+        have = (buffers if buffers is not None else self._main_buffers()).capacity("kv_pages")
+        return have if have >= pages else None
+
     def _advanced(
         self,
         key: tuple[Any, ...],
@@ -832,10 +863,15 @@ class PrefixAttention:
             or not np.array_equal(last.row_of, row_of)
         ):
             return None
-        hp = advance(last.plan, last.lens, lens, indptr, self.page_size, self._shape.kv_bytes(1))
+        index = last.kept.get("index")
+        if index is None:
+            index = last.kept["index"] = AdvanceIndex(last.plan, indptr, len(lens))
+        hp = advance(
+            last.plan, last.lens, lens, indptr, self.page_size, self._shape.kv_bytes(1), index
+        )
         if hp is not None:
-            self._advance_memo[key] = _Advanceable(
-                table, last.row_of, last.indptr, lens.copy(), hp, last.steps + 1
+            self._advance_memo[key] = dataclasses.replace(
+                last, lens=lens.copy(), plan=hp, steps=last.steps + 1
             )
         return hp
 
@@ -880,6 +916,7 @@ class PrefixAttention:
             leaf_max_rows=hp.leaf_max_rows,
             leaf_tiles=hp.leaf_tiles,
             narrow=hp.narrow,
+            lineage=hp.lineage,
         )
 
 
@@ -894,6 +931,9 @@ class _Advanceable:
     plan: HostPlan
     steps: int
     """Advances since it was planned afresh."""
+    kept: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What stays valid along the plan's advances: its :class:`AdvanceIndex` and the last
+    position runs of its pages with their layout."""
 
 
 class CapturedBuffers:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import read_entries
 
 from prefixattn import PrefixAttention, attention_reference, tree_batch
+from prefixattn.plan.device_table import hint_positions
 from prefixattn.plan.layout import COUNTS
 from prefixattn.plan.planner import DEVICE_ARRAYS
+from prefixattn.runtime.buffers import PlanBuffers
 
 pytestmark = pytest.mark.gpu
 
@@ -68,3 +71,55 @@ def test_cuda_run_matches_plain_attention() -> None:
         q, k, v, torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda()
     )
     assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+def test_arrays_loaded_last_time_are_not_copied_again() -> None:
+    buffers = PlanBuffers(torch.device("cuda"))
+    a = np.arange(10, dtype=np.int32)
+    b = np.arange(100, 120, dtype=np.int32)
+    counts = np.array([1, 2, 3], np.int32)
+    views = buffers.load({"kv_len": a, "q_tokens": b, "counts": counts})
+    views["counts"].mul_(0)  # the device changes counts: the next load copies them again
+    # A new array under a name is copied; the same object is not (its copy is still there).
+    a2 = a + 1
+    views = buffers.load({"kv_len": a2, "q_tokens": b, "counts": counts})
+    assert views["kv_len"].tolist() == a2.tolist()
+    assert views["q_tokens"].tolist() == b.tolist()
+    assert views["counts"].tolist() == counts.tolist()
+    assert buffers._loaded["q_tokens"] is b and "counts" not in buffers._loaded
+    # Growing lays every array out again: all are copied.
+    gen = buffers.generation
+    big = np.arange(5000, dtype=np.int32)
+    views = buffers.load({"kv_len": a2, "q_tokens": b, "counts": counts, "q_out": big})
+    assert buffers.generation > gen
+    assert views["kv_len"].tolist() == a2.tolist() and views["q_tokens"].tolist() == b.tolist()
+    assert views["q_out"].tolist() == big.tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_run_reuses_the_page_expansion(page_size: int) -> None:
+    # An advanced plan whose pages did not move gathers from the same positions; each step's
+    # page ids still come from the table as it is then.
+    requests, shared, private = 8, 256, 20
+    cols = (shared + private + 40) // page_size + 1
+    table = np.empty((requests, cols), np.int32)
+    table[:, : shared // page_size] = np.arange(shared // page_size)
+    own = cols - shared // page_size
+    table[:, shared // page_size :] = 1000 + np.arange(requests * own).reshape(requests, own)
+    device_table = torch.from_numpy(table).cuda()
+    pa = PrefixAttention(8, 2, 64, page_size, device="cuda")
+    lens = np.full(requests, shared + private)
+    expansions = []
+    for step in range(6):
+        if step == 3:
+            device_table[:, shared // page_size :] += 5000  # the engine rewrote private pages
+        plan = pa.plan_unshared(device_table, lens)
+        assert pa._buffers is not None and pa._buffers.positions is not None
+        expansions.append(pa._buffers.positions[1])
+        positions = hint_positions(plan.host, np.arange(requests + 1), np.arange(requests),
+                                   cols, page_size)  # fmt: skip
+        read = read_entries(plan.host, page_size)
+        flat = device_table.flatten().cpu().numpy()
+        assert plan.kv_pages.cpu().numpy()[read].tolist() == flat[positions[read]].tolist()
+        lens = lens + 1
+    assert all(e is expansions[0] for e in expansions[1:])

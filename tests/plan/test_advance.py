@@ -11,8 +11,9 @@ import torch
 import prefixattn.attention as attention_module
 from prefixattn import PrefixAttention, attention_reference
 from prefixattn.engine.step import StepPlanner
-from prefixattn.plan.advance import ADVANCE_STEPS, advance
+from prefixattn.plan.advance import ADVANCE_STEPS, advance, with_room
 from prefixattn.plan.device_table import table_positions
+from prefixattn.plan.layout import COUNTS
 
 
 @pytest.fixture
@@ -126,7 +127,8 @@ def test_advance_refuses_what_is_no_decode_step():
 
 
 def test_advance_equals_a_fresh_plan_where_the_shape_is_the_same():
-    # Per-request items without splits: the advanced plan is the one planning would give.
+    # Per-request items without splits: the advanced plan is the one planning would give,
+    # up to where the pages are stored.
     for ps in (1, 4):
         pa = PrefixAttention(8, 2, 64, ps, dtype=torch.float64)
         requests, width = 5, 32
@@ -134,20 +136,57 @@ def test_advance_equals_a_fresh_plan_where_the_shape_is_the_same():
         lens = np.array([9, 30, 17, 4, 22], dtype=np.int64)
         pa.plan_unshared(device_table, lens, split_kv=False)
         before = next(iter(pa._advance_memo.values())).plan
-        advanced = advance(before, lens, lens + 1, np.arange(requests + 1), ps, 1)
-        assert advanced is not None
         fresh = PrefixAttention(8, 2, 64, ps, dtype=torch.float64)
         fresh.plan_unshared(device_table, lens + 1, split_kv=False)
         expected = next(iter(fresh._advance_memo.values())).plan
-        for field in dataclasses.fields(expected.host):
-            if field.name == "kv_pages":  # positions in a fresh plan, zeros when advanced
-                assert len(advanced.host.kv_pages) == len(expected.host.kv_pages)
-                continue
-            got = getattr(advanced.host, field.name)
-            want = getattr(expected.host, field.name)
-            np.testing.assert_array_equal(got, want, err_msg=field.name)
-        np.testing.assert_array_equal(advanced.counts, expected.counts)
-        assert advanced.leaf_tiles == expected.leaf_tiles
+        pages = COUNTS.index("num_pages")
+        for laid_out in ("with room", "end to end"):
+            start = before if laid_out == "with room" else with_room(before, ps, room=0)
+            advanced = advance(start, lens, lens + 1, np.arange(requests + 1), ps, 1)
+            assert advanced is not None
+            want_plan = expected if laid_out == "with room" else with_room(expected, ps, room=0)
+            for field in dataclasses.fields(expected.host):
+                got = getattr(advanced.host, field.name)
+                want = getattr(want_plan.host, field.name)
+                if field.name == "kv_pages":  # positions in a fresh plan, zeros when advanced
+                    assert len(got) == len(start.host.kv_pages if laid_out == "with room" else want)
+                elif field.name == "kv_page_offset" and laid_out == "with room":
+                    # The room took the new pages: nothing moved.
+                    assert got is start.host.kv_page_offset
+                else:
+                    np.testing.assert_array_equal(got, want, err_msg=field.name)
+            others = np.arange(len(expected.counts)) != pages
+            np.testing.assert_array_equal(advanced.counts[others], expected.counts[others])
+            assert advanced.counts[pages] == len(advanced.host.kv_pages)
+            assert advanced.leaf_tiles == expected.leaf_tiles
+            assert advanced.lineage is start.lineage
+
+
+def test_with_room_worked_example():
+    hp, lens = _unshared_plan()
+    compact = with_room(hp, 1, room=0)
+    npages = compact.host.kv_len.astype(np.int64)
+    assert compact.host.kv_page_offset.tolist() == (np.cumsum(npages) - npages).tolist()
+    roomy = with_room(compact, 1)
+    extra = ADVANCE_STEPS + 1
+    size = npages + extra
+    assert roomy.host.kv_page_offset.tolist() == (np.cumsum(size) - size).tolist()
+    assert len(roomy.host.kv_pages) == int(size.sum())
+    assert roomy.counts[COUNTS.index("num_pages")] == int(size.sum())
+    # A limit shares what is left of it evenly.
+    limited = with_room(compact, 1, room=int(npages.sum()) + 2 * len(npages) + 1)
+    assert len(limited.host.kv_pages) == int(npages.sum()) + 2 * len(npages)
+    # Advancing ADVANCE_STEPS times fills the room and moves nothing; one more step re-lays.
+    step, now = roomy, lens
+    for _ in range(extra):
+        nxt = advance(step, now, now + 1, np.arange(len(lens) + 1), 1, 1)
+        assert nxt is not None
+        step, now = nxt, now + 1
+        assert step.host.kv_page_offset is roomy.host.kv_page_offset
+    nxt = advance(step, now, now + 1, np.arange(len(lens) + 1), 1, 1)
+    assert nxt is not None
+    size = npages + extra + 1
+    assert nxt.host.kv_page_offset.tolist() == (np.cumsum(size) - size).tolist()
 
 
 def test_plans_are_made_afresh_after_advance_steps(advances):

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import Batch, batches, embed_rows, random_cache
+from conftest import Batch, batches, embed_rows, random_cache, read_entries, read_pages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -59,7 +59,7 @@ def test_equals_plain_attention(
         batch.block_table, batch.seq_lens, batch.qo_indptr, packing="per_query", split_kv=split_kv
     )
     assert plan.num_work_items == same.num_work_items
-    assert torch.equal(plan.kv_pages, same.kv_pages)
+    assert read_pages(plan) == read_pages(same)
     assert np.array_equal(plan.host.kv_len, same.host.kv_len)
 
 
@@ -67,9 +67,13 @@ def test_host_arrays_keep_table_positions() -> None:
     table = torch.tensor([[5, 6, 0], [9, 9, 9], [7, 8, 1]], dtype=torch.int32)
     pa = PrefixAttention(4, 2, 64, 2, dtype=torch.float32)
     plan = pa.plan_unshared(table, np.array([3, 4]), rows=np.array([2, 0]))
-    # Host: positions row * 3 + column (items in the packer's order); device: the ids there.
-    assert sorted(plan.host.kv_pages.tolist()) == [0, 1, 6, 7]
-    assert plan.kv_pages.tolist() == table.flatten()[plan.host.kv_pages].tolist()
+    # The items read positions row * 3 + column (in the packer's order); the device holds
+    # the ids there.
+    indptr, row_of = np.arange(3), np.array([2, 0])
+    positions = hint_positions(plan.host, indptr, row_of, 3, 2)
+    read = read_entries(plan.host, 2)
+    assert sorted(positions[read].tolist()) == [0, 1, 6, 7]
+    assert read_pages(plan) == table.flatten()[positions[read]].tolist()
 
 
 def _pa() -> PrefixAttention:
@@ -150,8 +154,9 @@ def test_positions_expand_from_runs(batch: Batch, heads: tuple[int, int], split_
     assert int(run_len.sum()) == len(plan.host.kv_pages)
     expanded = np.arange(len(plan.host.kv_pages)) + np.repeat(run_delta, run_len)
     positions = hint_positions(plan.host, indptr, row_of, width, pa.page_size)
-    assert np.array_equal(expanded, positions)
-    assert plan.kv_pages.tolist() == big.flatten()[positions].tolist()
+    read = read_entries(plan.host, pa.page_size)  # not the room left for later steps
+    assert np.array_equal(expanded[read], positions[read])
+    assert plan.kv_pages[read].tolist() == big.flatten()[positions[read]].tolist()
 
 
 def test_position_runs_worked_example() -> None:
@@ -167,9 +172,21 @@ def test_position_runs_worked_example() -> None:
     runs = position_runs(host, np.array([2, 5]), 100, 1)
     assert runs is not None
     assert runs[0].tolist() == [3, 2] and runs[1].tolist() == [200, 501]
-    # Pages that no item covers: the positions are computed page by page instead.
+    # Entries that no item covers continue the run before them (room for later steps).
     gap = dataclasses.replace(host, kv_pages=np.zeros(6, np.int32))
-    assert position_runs(gap, np.array([2, 5]), 100, 1) is None
+    runs = position_runs(gap, np.array([2, 5]), 100, 1)
+    assert runs is not None
+    assert runs[0].tolist() == [3, 3] and runs[1].tolist() == [200, 501]
+    # ... and those before the first run form a run of their own.
+    late = dataclasses.replace(
+        host, kv_page_offset=np.array([2, 5], np.int32), kv_pages=np.zeros(7, np.int32)
+    )
+    runs = position_runs(late, np.array([2, 5]), 100, 1)
+    assert runs is not None
+    assert runs[0].tolist() == [2, 3, 2] and runs[1].tolist() == [0, 198, 499]
+    # Items of one stored run that disagree on their row: no runs.
+    clash = dataclasses.replace(host, kv_page_offset=np.array([0, 1], np.int32))
+    assert position_runs(clash, np.array([2, 5]), 100, 1) is None
 
 
 def test_chunked_prefill_positions_are_one_run() -> None:
@@ -180,5 +197,7 @@ def test_chunked_prefill_positions_are_one_run() -> None:
     assert plan.num_work_items == 8
     host = plan.host
     runs = position_runs(host, np.ones(8, np.int64), 4096, 1)
-    assert runs is not None and runs[0].tolist() == [4096] and runs[1].tolist() == [4096]
-    assert plan.kv_pages.tolist() == list(range(4096, 8192))
+    # One run (with the room after it that later decode steps may fill).
+    assert runs is not None and runs[0].tolist() == [len(host.kv_pages)]
+    assert runs[1].tolist() == [4096]
+    assert read_pages(plan) == list(range(4096, 8192))

@@ -116,8 +116,12 @@ def position_runs(
     for position ``i + delta_w``, ``delta_w = item_row[w] * width + kv_start[w] / page_size -
     kv_page_offset[w]``. Items whose stored pages overlap form one run, which has one delta.
     Returns int32 ``(run_len, run_delta)``, the runs in order, tiling ``kv_pages``; ``None``
-    where the items of one run disagree or leave stored pages uncovered (the caller then
-    computes every position).
+    where the items of one run disagree (the caller then computes every position).
+
+    Entries no item reads (room left after a run for later decode steps, see
+    :func:`~prefixattn.plan.advance.with_room`) belong to the run before them, so their
+    positions continue its row and may pass the table's end: the caller clamps them. Entries
+    before the first run form a run of delta 0.
 
     Worked example (W = 100, page size 1): items (row 2, start 0, 3 pages, offset 0) and
     (row 5, start 4, 2 pages, offset 3): runs of 3 and 2 entries, deltas 200 and 501, so
@@ -133,16 +137,15 @@ def position_runs(
     delta = item_row.astype(np.int64)[has] * width + host.kv_start[has] // page_size - off
     o, first, run = stored_runs(off, end)
     off, end, delta = off[o], end[o], delta[o]
-    run_start = off[first]
-    run_end = np.maximum.reduceat(end, first)
-    if (
-        (delta != delta[first][run]).any()
-        or run_start[0] != 0
-        or (run_start[1:] != run_end[:-1]).any()
-        or run_end[-1] != total
-    ):
+    if (delta != delta[first][run]).any() or np.maximum.reduceat(end, first)[-1] > total:
         return None
-    return (run_end - run_start).astype(np.int32), delta[first].astype(np.int32)
+    run_start = off[first]
+    run_len = np.diff(run_start, append=total)
+    run_delta = delta[first]
+    if run_start[0] > 0:
+        run_len = np.concatenate([[run_start[0]], run_len])
+        run_delta = np.concatenate([[0], run_delta])
+    return run_len.astype(np.int32), run_delta.astype(np.int32)
 
 
 def hint_checks(

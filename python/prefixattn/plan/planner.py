@@ -63,6 +63,9 @@ class HostPlan:
     leaf_max_rows: int
     leaf_tiles: int
     narrow: bool
+    lineage: object = dataclasses.field(default_factory=object, compare=False, repr=False)
+    """The same object for a plan and the plans advanced from it (:mod:`.advance`), whose
+    shared work items are the same: what depends on those alone may be kept across them."""
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """The int32 arrays the device stage loads, ``counts`` last."""

@@ -203,6 +203,9 @@ class LaunchPlan:
     narrow: bool = False
     """The plan took the tile table's narrow alternative (``TileTable.narrow``: no 128-row
     tiles), which moved at most ``TileTable.narrow_traffic`` times the bytes."""
+    lineage: object = dataclasses.field(default=None, compare=False, repr=False)
+    """The same object for plans advanced from one another in a decode run (their shared
+    work items are the same); None where not known."""
 
     @property
     def total_bytes(self) -> int:

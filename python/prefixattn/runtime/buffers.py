@@ -7,12 +7,15 @@ plan into them. A buffer only moves when a plan outgrows it (it then doubles and
 plan as long as ``generation`` is unchanged; ``reserve`` sizes the buffers up front.
 
 The host side stages every array in one pinned buffer; before that buffer is rewritten, the
-previous plan's copies are waited for (they have normally finished long before).
+previous plan's copies are waited for (they have normally finished long before). An array
+that is the very host array loaded last time (a decode step's plan advanced from the last
+one keeps most of its arrays) is not staged or copied again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,11 +29,16 @@ class PlanBuffers:
     staging buffer of the same layout, so that loading a plan is one host-to-device copy.
 
     Each array has a capacity; an array that outgrows it doubles, and the whole buffer is laid
-    out again (``generation`` increases: every array moved). ``kv_pages`` goes last, so a plan
-    whose page ids the device fills itself copies only the smaller arrays before it.
+    out again (``generation`` increases: every array moved). The arrays a decode step changes
+    go first, next to each other, and ``kv_pages`` last, so a plan whose page ids the device
+    fills itself copies only the smaller arrays before it.
     """
 
+    _FIRST = ("counts", "kv_len", "q_limit", "kv_page_offset", "page_run_len", "page_run_delta")
     _LAST = "kv_pages"
+    _DEVICE_WRITTEN = frozenset({"counts", "kv_pages"})
+    """Arrays the device changes after a load (hinted plans mask ``counts``; ``kv_pages`` is
+    gathered in place): always copied."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -40,6 +48,9 @@ class PlanBuffers:
         self._device = torch.empty(0, dtype=torch.int32, device=device)
         self._staging = torch.empty(0, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
+        self._loaded: dict[str, np.ndarray] = {}  # in the device buffer and in staging
+        self.positions: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        """The last expanded page positions (:func:`load_plan_arrays`) and their key."""
 
     def capacity(self, name: str) -> int:
         return self._capacity.get(name, 0)
@@ -54,12 +65,14 @@ class PlanBuffers:
                 grown = True
         if not grown:
             return
-        names = sorted(self._capacity, key=lambda n: n == self._LAST)
+        first = {name: i for i, name in enumerate(self._FIRST)}
+        names = sorted(self._capacity, key=lambda n: (n == self._LAST, first.get(n, len(first))))
         offset = 0
         for name in names:
             self._offset[name] = offset
             offset += self._capacity[name]
         self._device = torch.empty(offset, dtype=torch.int32, device=self.device)
+        self._loaded.clear()
         self.generation += 1
 
     def _slice(self, name: str, n: int) -> torch.Tensor:
@@ -84,13 +97,21 @@ class PlanBuffers:
         size = self._device.numel()
         if self._staging.numel() < size:
             self._staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._loaded.clear()
         staging = self._staging.numpy()
         views: dict[str, torch.Tensor] = {}
         lo, hi = size, 0
+        loaded = self._loaded
         for name, a in arrays.items():
             o, n = self._offset[name], len(a)
-            staging[o : o + n] = a
             views[name] = self._slice(name, n)
+            if loaded.get(name) is a:
+                continue  # already there, and in staging
+            if name in self._DEVICE_WRITTEN:
+                loaded.pop(name, None)
+            else:
+                loaded[name] = a
+            staging[o : o + n] = a
             if n:
                 lo, hi = min(lo, o), max(hi, o + n)
         if hi > lo:
@@ -164,6 +185,8 @@ class HintedState:
         self.check_buffers = PlanBuffers(device)
         self.plan: LaunchPlan | None = None
         self.variants = 0
+        self.check: tuple[tuple[Any, ...], torch.Tensor] | None = None
+        """The last device check's positions (:func:`pages_differ`) and their key."""
 
 
 def load_plan_arrays(
@@ -179,24 +202,31 @@ def load_plan_arrays(
     With ``page_table`` (int32 [R, W]), ``arrays["kv_pages"]`` holds positions in it
     (row * W + column) that are replaced by its entries on its device, in stream order (no
     sync); the host array keeps the positions. With ``runs`` too (``run_len``, ``run_delta``,
-    from :func:`~prefixattn.plan.device_table.position_runs`), the positions are not copied
-    from the host: the device expands the runs (entry ``i`` of run ``r`` stands for position
-    ``i + run_delta[r]``), so the host ships O(runs), not O(pages).
+    from :func:`~prefixattn.plan.device_table.position_runs`), ``arrays["kv_pages"]`` is
+    not read (only its length) and the positions are not copied from the host: the device
+    expands the runs (entry ``i`` of run ``r`` stands for position ``i + run_delta[r]``,
+    clamped to the table), so the host ships O(runs), not O(pages). On a CUDA device the
+    expansion is kept with ``buffers()`` and reused while the runs stay the same (the steps
+    of a decode run whose pages did not move).
     """
     num_pages = len(arrays["kv_pages"])
     cuda = device.type == "cuda"
+    target = buffers() if cuda else None
+    cached = None
     if runs is not None:
         assert page_table is not None
         arrays = {n: a for n, a in arrays.items() if n != "kv_pages"}
-        arrays["page_run_len"], arrays["page_run_delta"] = runs
-    if cuda:
-        target = buffers()
+        key = (runs[0].tobytes(), runs[1].tobytes(), page_table.shape, page_table.device)
+        if target is not None and target.positions is not None and target.positions[0] == key:
+            cached = target.positions[1]  # the last expansion, still valid
+        else:
+            arrays["page_run_len"], arrays["page_run_delta"] = runs
+    if target is not None:
         views = target.load(arrays, {"kv_pages": num_pages} if runs is not None else None)
     else:
         views = load_on_host(arrays)
     if runs is not None:
-        lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
-        if cuda:
+        if target is not None:
             views["kv_pages"] = target.view("kv_pages", num_pages)
         else:
             views["kv_pages"] = torch.empty(num_pages, dtype=torch.int32)
@@ -205,14 +235,23 @@ def load_plan_arrays(
     if page_table is not None:
         pages = views["kv_pages"]
         if pages.numel():
-            if runs is not None:
-                # Entry i of run r stands for position i + delta[r].
+            if cached is not None:
+                pos = cached
+            elif runs is not None:
+                lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
+                # Entry i of run r stands for position i + delta[r]; entries past an item's
+                # pages (room for later steps) may pass the table's end: any valid position.
                 pos = _arange(num_pages, pages.device) + torch.repeat_interleave(
                     deltas, lens, output_size=num_pages
                 )
+                pos.clamp_(max=page_table.numel() - 1)
+                if target is not None:
+                    target.positions = (key, pos)
             else:
                 pos = pages.clone()
             _gather_positions(page_table, pos, pages)
+    views.pop("page_run_len", None)
+    views.pop("page_run_delta", None)
     return views
 
 
@@ -254,21 +293,30 @@ def pages_differ(
     n = runs["n"]
     if not n.size:
         return torch.zeros((), dtype=torch.bool, device=device)
-    start = np.cumsum(n, dtype=np.int64) - n
-    total = int(start[-1] + n[-1])
-    # The runs of a, then those of b: entry i of the 2 * total stands for position
-    # i + delta of its run, delta = a - start or b - start - total.
-    arrays = {
-        "delta": np.concatenate([runs["a"] - start, runs["b"] - start - total]).astype(np.int32),
-        "n": np.concatenate([n, n]).astype(np.int32),
-    }
-    v = state.check_buffers.load(arrays) if state is not None else load_on_host(arrays)
-    idx = _arange(2 * total, device) + torch.repeat_interleave(
-        v["delta"], v["n"], output_size=2 * total
-    )
-    pages = torch.empty(2 * total, dtype=block_table.dtype, device=device)
+    key = (runs["a"].tobytes(), runs["b"].tobytes(), n.tobytes(), block_table.shape, device)
+    if state is not None and state.check is not None and state.check[0] == key:
+        idx = state.check[1]  # the last check's positions (a decode run checks the same)
+    else:
+        start = np.cumsum(n, dtype=np.int64) - n
+        total = int(start[-1] + n[-1])
+        # The runs of a, then those of b: entry i of the 2 * total stands for position
+        # i + delta of its run, delta = a - start or b - start - total.
+        arrays = {
+            "delta": np.concatenate([runs["a"] - start, runs["b"] - start - total]).astype(
+                np.int32
+            ),
+            "n": np.concatenate([n, n]).astype(np.int32),
+        }
+        v = state.check_buffers.load(arrays) if state is not None else load_on_host(arrays)
+        idx = _arange(2 * total, device) + torch.repeat_interleave(
+            v["delta"], v["n"], output_size=2 * total
+        )
+        if state is not None:
+            state.check = (key, idx)
+    pages = torch.empty(idx.numel(), dtype=block_table.dtype, device=device)
     _gather_positions(block_table, idx, pages)
-    return (pages[:total] != pages[total:]).any()
+    half = idx.numel() // 2
+    return (pages[:half] != pages[half:]).any()
 
 
 __all__ = [
