@@ -769,7 +769,8 @@ class PrefixAttention:
         hp = None
         if page_table is not None:
             assert row_of is not None
-            key = (packing, split_kv, buffers is None, dataclasses.astuple(options), self.tiles)
+            # The options' values (all scalars) as they are now: a cheap key.
+            key = (packing, split_kv, buffers is None, tuple(vars(options).values()), self.tiles)
             hp = self._advanced(key, table, lens, indptr, row_of)
         if hp is None:
             native = options.native_plan and library.native_plan_available()

@@ -463,3 +463,57 @@ def test_decode_beside_another_prefill_backend():
         req_to_token[i + 1, s] = first + i
     step(ForwardMode.DECODE, [1] * bs, [s + 1 for s in seq_lens])
     assert ours.forward_metadata is not None and ours.forward_metadata.plan is not None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_run_advances_plans(page_size: int, monkeypatch: pytest.MonkeyPatch):
+    # Decode steps of one batch, each request one token longer per step: after the step that
+    # copies the rows and the first device-table step, each plan is the previous one advanced
+    # (the device table keeps its shape across steps), and every output stays right.
+    import prefixattn.attention as attention_module
+
+    counts = {"advanced": 0, "refused": 0}
+    real_advance = attention_module.advance
+
+    def counted(*args, **kwargs):
+        hp = real_advance(*args, **kwargs)
+        counts["advanced" if hp is not None else "refused"] += 1
+        return hp
+
+    monkeypatch.setattr(attention_module, "advance", counted)
+    heads, kv_heads, head_dim = 8, 2, 64
+    gen = torch.Generator().manual_seed(7)
+    rows = _rows(TREE, page_size)
+    bs = len(rows)
+    runner = _runner(page_size, heads, kv_heads, head_dim, max_reqs=bs + 2)
+    backend = PrefixAttnBackend(runner)
+    pool = runner.token_to_kv_pool
+    req_to_token = runner.req_to_token_pool.req_to_token
+    layer = _layer(0, heads, kv_heads, head_dim)
+    cached = sorted({s for row in rows for s in row})
+    k = torch.randn(len(cached), kv_heads, head_dim, generator=gen, dtype=DTYPE)
+    v = torch.randn(len(cached), kv_heads, head_dim, generator=gen, dtype=DTYPE)
+    pool.set_kv_buffer(layer, torch.tensor(cached, dtype=torch.int64), k, v)
+    next_page = max(cached) // page_size + 1
+    steps = 6
+    for _ in range(steps):
+        for row in rows:  # one more slot per request: in its last page, else a new page
+            if len(row) % page_size:
+                row.append(row[-1] + 1)
+            else:
+                row.append(next_page * page_size)
+                next_page += 1
+        for i, row in enumerate(rows):
+            req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        batch = _forward_batch(ForwardMode.DECODE, rows, [1] * bs)
+        backend.init_forward_metadata(batch)
+        q = torch.randn(bs, heads * head_dim, generator=gen, dtype=DTYPE)
+        k = torch.randn(bs, kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        v = torch.randn(bs, kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        out = backend.forward(q, k, v, layer, batch)
+        check_against_reference(pool, layer, rows, [len(r) for r in rows], q, out)
+    assert backend.planner.plan_kinds["hinted"] == steps - 1
+    # Two plans (the hinted one and its fallback) per step from the third step on, except
+    # the hinted plan of the third step: the rows copied at the second (the run's new hint)
+    # have landed, and a new hint is planned afresh.
+    assert counts["advanced"] == 2 * (steps - 2) - 1 and counts["refused"] == 0

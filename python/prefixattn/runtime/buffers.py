@@ -49,6 +49,7 @@ class PlanBuffers:
         self._staging = torch.empty(0, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
         self._loaded: dict[str, np.ndarray] = {}  # in the device buffer and in staging
+        self._views: dict[tuple[str, int], torch.Tensor] = {}  # of the current buffer
         self.positions: tuple[tuple[Any, ...], torch.Tensor] | None = None
         """The last expanded page positions (:func:`load_plan_arrays`) and their key."""
 
@@ -73,11 +74,18 @@ class PlanBuffers:
             offset += self._capacity[name]
         self._device = torch.empty(offset, dtype=torch.int32, device=self.device)
         self._loaded.clear()
+        self._views.clear()
         self.generation += 1
 
     def _slice(self, name: str, n: int) -> torch.Tensor:
-        o = self._offset[name]
-        return self._device[o : o + n]
+        key = (name, n)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 256:  # sizes change from batch to batch: keep few
+                self._views.clear()
+            o = self._offset[name]
+            view = self._views[key] = self._device[o : o + n]
+        return view
 
     def view(self, name: str, n: int) -> torch.Tensor:
         """The first ``n`` entries of array ``name`` (grown first where it is smaller), for

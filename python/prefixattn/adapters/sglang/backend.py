@@ -78,6 +78,9 @@ GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
 """SGLang 0.5.19+: capture ``init_forward_metadata_out_graph`` into a CUDA graph and replay
 only its device work (refused: this backend's plan is host work of every step)."""
 
+TABLE_WIDTH_STEP = 256
+"""Pages by which the width of a step's device table grows (see ``_batch_tables``)."""
+
 
 def metadata_glue_graph_enabled() -> bool:
     """Is SGLang's metadata glue graph switched on (False where SGLang has none)?"""
@@ -288,9 +291,18 @@ class PrefixAttnBackend(AttentionBackend):
         max_len = max(max_len, 1)
         ps = self.page_size
         req = forward_batch.req_pool_indices[:bs]
-        # One gather and one device-to-host copy of the batch's rows; with page_size > 1
-        # only the first slot of each page travels.
-        rows = self.req_to_token_pool.req_to_token[req, :max_len:ps]
+        # One gather (and for a host table one device-to-host copy) of the batch's rows; with
+        # page_size > 1 only the first slot of each page travels. A device table is gathered
+        # TABLE_WIDTH_STEP pages wider at a time, so the steps of a decode run see one table
+        # shape and advance the previous step's plan (PrefixAttention) instead of planning
+        # afresh; the extra columns are never read.
+        pool = self.req_to_token_pool.req_to_token
+        end = max_len
+        if not on_host:
+            pages = -(-max_len // ps)
+            pages = -(-pages // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+            end = min(pages * ps, pool.shape[1])
+        rows = pool[req, :end:ps]
         block_table: Any
         if on_host:
             block_table = rows.cpu().numpy()
