@@ -1,7 +1,9 @@
 """Print what the build needs to know of the installed torch, one field per line.
 
 Read by CMakeLists.txt: include dirs, library dirs, the C++11 ABI flag, torch's CUDA version
-(or "none"), the C++ standard torch's headers need (:func:`cxx_standard`), and torch's version.
+(or "none"), the C++ standard torch's headers need (:func:`cxx_standard`), torch's version and
+the C++ runtime library this process loaded with torch (:func:`loaded_cxx_runtime`, or
+"none").
 """
 
 import os
@@ -28,9 +30,24 @@ def cxx_standard() -> int:
     return max(found)
 
 
+def loaded_cxx_runtime() -> str:
+    """The path of the ``libstdc++.so.6`` mapped into this process (the one torch runs with),
+    from ``/proc/self/maps``; "none" where there is none (or no ``/proc``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return "none"
+
+
 print(",".join(cpp.include_paths()))
 print(",".join(cpp.library_paths()))
 print(int(torch._C._GLIBCXX_USE_CXX11_ABI))
 print(torch.version.cuda or "none")
 print(cxx_standard())
 print(torch.__version__)
+print(loaded_cxx_runtime())
