@@ -453,3 +453,48 @@ def test_kernel_block_size_for_large_kv_blocks() -> None:
     assert select_common_block_size(16, [PrefixAttentionBackend]) == 16
     assert select_common_block_size(24, [PrefixAttentionBackend]) == 24
     assert select_common_block_size(528, [PrefixAttentionBackend]) == 88
+
+
+def test_decode_run_advances_plans(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps of one batch, each request one token longer per step (a new block where
+    its last one is full): after the step that copies the table and the first hinted step,
+    each plan is the previous one advanced, and every step's attention stays right."""
+    import prefixattn.attention as attention_module
+
+    counts = {"advanced": 0, "refused": 0}
+    real_advance = attention_module.advance
+
+    def counted(*args, **kwargs):
+        hp = real_advance(*args, **kwargs)
+        counts["advanced" if hp is not None else "refused"] += 1
+        return hp
+
+    monkeypatch.setattr(attention_module, "advance", counted)
+    rng = torch.Generator().manual_seed(5)
+    batch = Batch(rng, 16, 8, False)
+    bs, width = batch.block_table.shape
+    table = torch.zeros(bs, width + 4, dtype=torch.int32)  # room for the blocks to come
+    table[:, :width] = batch.block_table
+    batch.block_table = table
+    next_block = batch.num_blocks
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    k_cache = torch.randn(batch.num_blocks + 40, 16, NUM_KV_HEADS, HEAD_DIM, generator=rng)
+    v_cache = torch.randn(batch.num_blocks + 40, 16, NUM_KV_HEADS, HEAD_DIM, generator=rng)
+    steps = 7
+    for _ in range(steps):
+        for i in range(bs):  # one more token per request
+            if int(batch.seq_lens[i]) % 16 == 0:
+                table[i, int(batch.seq_lens[i]) // 16] = next_block
+                next_block += 1
+        batch.seq_lens += 1
+        metadata = builder.build(0, batch.metadata(host_lens=True))
+        q = torch.randn(bs, NUM_QO_HEADS, HEAD_DIM, generator=rng)
+        out = metadata.attention.run(q, k_cache, v_cache, plan=metadata.plan)
+        ref = attention_reference(q, k_cache, v_cache, table, batch.seq_lens)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-5)
+    assert builder.plan_kinds == {"copy": 1, "unshared": 0, "hinted": steps - 1}
+    # Two plans (the hinted one and its fallback) per step from the third step on, except
+    # the hinted plan of the third step: the table copied at the second is the new hint.
+    assert counts["advanced"] == 2 * (steps - 2) - 1 and counts["refused"] == 0
