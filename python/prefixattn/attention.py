@@ -364,6 +364,7 @@ class PrefixAttention:
         self._main_buffers().reserve(**sizes)
         if hinted:
             state = self._enable_hinted()
+            state.fixed = True  # graphs captured from now on launch its variants
             state.buffers.reserve(**sizes)
             # Reload the empty fallback: the graphs captured next must read the reserved
             # buffers, not the ones they replaced.
@@ -468,8 +469,8 @@ class PrefixAttention:
         rows: torch.Tensor | np.ndarray | None = None,
         private: torch.Tensor | np.ndarray | None = None,
     ) -> LaunchPlan:
-        """A prefix-aware decode plan whose forest comes from a host ``hint`` of the block
-        table (for example the previous step's copy), so it never waits for the GPU.
+        """A prefix-aware plan whose forest comes from a host ``hint`` of the block table (for
+        example the previous step's copy), so it never waits for the GPU.
 
         The hint only decides which requests share which pages. Every page id the kernels read
         is taken from ``block_table`` on its device, in stream order; a device check then
@@ -489,25 +490,23 @@ class PrefixAttention:
             first W' columns; negative entries mean unknown (e.g. pages a request gained since
             the copy). Rows and columns it lacks are unknown too; unknown pages are private.
         seq_lens, qo_indptr, rows:
-            As in :meth:`plan_unshared`; at most one new token per request (decode steps).
+            As in :meth:`plan_unshared`. Decode steps (one new token per request) and steps
+            with prefill chunks alike; requests whose rows the hint lacks (new requests) are
+            planned as sharing nothing.
         private:
             Host bool array [B]: requests whose pages the hint does not describe (e.g. an
             engine's padding requests, which read some real row): planned as sharing nothing.
 
         On a CUDA device the first call sets up the fallback's buffers (see :meth:`reserve`,
         ``hinted``); from then on every :meth:`run` also launches the fallback plan, which is
-        empty unless a hinted plan's check failed.
+        empty unless a hinted plan's check failed. The fallback launches the tile heights its
+        plans have needed so far; after ``reserve(hinted=True)`` (CUDA graphs captured over
+        them) they are those of decode steps, and a step with several new tokens for a
+        request raises ``ValueError``.
         """
         lens, indptr, row_of, cols = checks.device_table_inputs(
             block_table, seq_lens, qo_indptr, rows, self.device, self.page_size
         )
-        q_lens = np.diff(indptr)
-        if (q_lens > 1).any():
-            r = int(np.flatnonzero(q_lens > 1)[0])
-            raise ValueError(
-                f"plan_hinted plans decode steps (at most one new token per request), but "
-                f"request {r} has {int(q_lens[r])}; plan this step with plan() or plan_unshared()"
-            )
         hint_arr = checks.host_int_array("hint", hint, ndim=2)
         width, ps = block_table.shape[1], self.page_size
         if isinstance(private, torch.Tensor):
@@ -516,6 +515,15 @@ class PrefixAttention:
         checks.check_lengths(table, lens, indptr, ps)
         positions = self._positions_table(row_of, width, cols)
         state = self._enable_hinted() if self.device.type == "cuda" else None
+        q_lens = np.diff(indptr)
+        if state is not None and state.fixed and (q_lens > 1).any():
+            r = int(np.flatnonzero(q_lens > 1)[0])
+            raise ValueError(
+                "plan_hinted: this object's fallback launches were fixed for decode steps by "
+                f"reserve(hinted=True) (CUDA graphs), but request {r} has {int(q_lens[r])} new "
+                "tokens; plan this step on another PrefixAttention, or with plan() or "
+                "plan_unshared()"
+            )
         fallback = self._plan_host(
             positions, lens, indptr, "per_query", False, page_table=block_table, row_of=row_of,
             buffers=None if state is None else state.buffers, remember=False,
@@ -525,11 +533,18 @@ class PrefixAttention:
             # are now (they may have grown for this plan).
             state.plan = fallback
             used = variant_mask({m for m, _ in fallback.tiles})
-            if fallback.num_merge_tokens or used & ~state.variants:
+            if fallback.num_merge_tokens:
                 raise RuntimeError(
-                    f"prefixattn internal error: the fallback plan uses tiles {fallback.tiles} "
-                    f"and {fallback.num_merge_tokens} merges, outside its launches"
+                    f"prefixattn internal error: the fallback plan has "
+                    f"{fallback.num_merge_tokens} merges, outside its launches"
                 )
+            if used & ~state.variants:
+                if state.fixed:
+                    raise RuntimeError(
+                        f"prefixattn internal error: the fallback plan uses tiles "
+                        f"{fallback.tiles}, outside its fixed launches"
+                    )
+                state.variants |= used  # later runs launch these too (no graph captured them)
         primary = self._plan_host(
             table, lens, indptr, "memory", True, page_table=block_table, row_of=row_of,
         )  # fmt: skip
@@ -671,8 +686,8 @@ class PrefixAttention:
         state = HintedState(self.device)
         self._hinted = state
         state.plan = self._empty_fallback(state)
-        # A fallback plan (one decode token per request, no split) only ever uses the tile
-        # height of one token's rows, and has no merge.
+        # A decode step's fallback plan (one token per request, no split) uses the tile height
+        # of one token's rows and no merge; steps with more tokens add heights (plan_hinted).
         height = self.tiles.select(self.num_qo_heads // self.num_kv_heads, 1)[0]
         state.variants = variant_mask({height})
         return state

@@ -168,12 +168,12 @@ def test_builder_and_forward_match_plain_attention(
 ) -> None:
     """``unshared``: the builder's last look found no sharing, so this step (whose requests do
     share blocks) is planned without a host copy of the table. ``hinted`` / ``stale_hint``: a
-    decode step planned from an earlier host copy of the table, right or wrong (then its
+    step planned from an earlier host copy of the table, right or wrong (then its
     device check switches to the per-request fallback). The result is the same."""
     rng = torch.Generator().manual_seed(seed * 1000 + block_size * 10 + num_reqs)
     batch = Batch(rng, block_size, num_reqs, mixed)
-    # A hint is only used for decode steps: mixed batches copy the table.
-    hinted = mode in ("hinted", "stale_hint") and not mixed
+    # A hint is used for decode and mixed steps alike (none of these is a graph step).
+    hinted = mode in ("hinted", "stale_hint")
     builder = PrefixAttentionMetadataBuilder(
         _spec(dtype, block_size), ["layer.0"], vllm_config, torch.device("cpu")
     )

@@ -61,7 +61,11 @@ def run_step(
 ) -> LaunchPlan:
     """What an adapter does for one step."""
     choice = planner.choose(
-        batch.num_real, decode=batch.decode, capture=capture, device_table=device_table
+        batch.num_real,
+        decode=batch.decode,
+        capture=capture,
+        device_table=device_table,
+        graph=graph,
     )
     attention = planner.attention_for(graph=graph)
     if choice.device_table:
@@ -109,16 +113,21 @@ def test_no_sharing_gives_unshared_plans() -> None:
         assert kind(plan) == "unshared" and plan.packing == "per_query"
 
 
-def test_sharing_gives_hinted_plans_for_decode_steps_only() -> None:
+def test_sharing_gives_hinted_plans_except_for_multi_token_graph_steps() -> None:
     planner = _planner()
     run_step(planner, SHARED)
     assert planner.probe.sharing is True
     plan = run_step(planner, SHARED)
     assert kind(plan) == "hinted"
     assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes  # the hint's sharing is used
-    # A step with more than one new token per request copies its table.
+    # A step with prefill chunks is hinted too: no wait for its table.
     extend = Batch([[1, 2, 10], [1, 2, 11]], new_tokens=2)
-    assert kind(run_step(planner, extend)) == "copy"
+    plan = run_step(planner, extend)
+    assert kind(plan) == "hinted" and plan.num_tokens == 4
+    # A graph step's fallback launches are those of decode steps: with several new tokens
+    # per request it copies its table.
+    planner.reserve_graphs(8, 16, 64)
+    assert kind(run_step(planner, extend, graph=True)) == "copy"
 
 
 def test_stale_hint_falls_back() -> None:

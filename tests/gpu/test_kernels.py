@@ -857,6 +857,39 @@ def test_plan_hinted_checks_the_hint_on_device(page_size, hint_kind):
         assert bool(plan.fallback_taken) == (hint_kind == "one_row")
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hint_kind", ["exact", "one_row"])
+def test_plan_hinted_with_prefill_chunks(page_size, hint_kind):
+    """plan_hinted for a step with prefill chunks beside decode tokens: right with a good hint
+    (shared) and a wrong one (the fallback, which then launches the taller tiles too); an
+    object whose fallback launches were fixed for graphs refuses such a step."""
+    rng = np.random.default_rng(12)
+    table, lens, num_pages = random_forest(rng, page_size, 24, 6, 70)
+    b = table.shape[0]
+    new = np.where(np.arange(b) % 3 == 0, np.minimum(lens, 37), 1)  # every third a chunk
+    qo = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    hint = table.copy() if hint_kind == "exact" else np.tile(table[0], (b, 1))
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    k, v = make_cache(num_pages, page_size, 8, 128, torch.bfloat16, "NHD", True, gen)
+    q = torch.randn(int(qo[-1]), 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(128))
+    pa = prefixattn.PrefixAttention(32, 8, 128, page_size, device=DEV, dtype=torch.bfloat16)
+    dev_table = torch.from_numpy(table).to(DEV)
+    for _ in range(2):  # the second run with the fallback's launches already extended
+        plan = pa.plan_hinted(dev_table, hint, lens, qo)
+        out = torch.full_like(q, float("nan"))
+        pa.run(q, k, v, out=out, plan=plan)
+        assert not torch.isnan(out).any(), "unwritten output elements"
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 4 * EPS[torch.bfloat16] * max(ref.abs().max().item(), 1.0) + 1e-3
+        assert bool(plan.fallback_taken) == (hint_kind == "one_row")
+    fixed = prefixattn.PrefixAttention(32, 8, 128, page_size, device=DEV, dtype=torch.bfloat16)
+    fixed.reserve(num_work_items=4096, num_pages=1 << 16, num_slots=1 << 14, num_tokens=1024,
+                  hinted=True)  # fmt: skip
+    with pytest.raises(ValueError, match="fixed for decode steps"):
+        fixed.plan_hinted(dev_table, hint, lens, qo)
+
+
 def test_cuda_graph_replays_hinted_plans():
     """Graphs captured after reserve(hinted=True) replay plain plans, hinted plans with a good
     hint and hinted plans whose check fails (the fallback's launches then do the work)."""

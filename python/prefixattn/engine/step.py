@@ -5,8 +5,9 @@ the planner decides how the step is planned and keeps the state that decision ne
 
 - **Which plan method.** :meth:`PrefixAttention.plan_unshared` while the latest batch looked
   at shared no page (no host copy of the block table, so no wait for the GPU);
-  :meth:`PrefixAttention.plan_hinted` for decode steps with sharing, from an earlier step's
-  host copy of the table (:class:`TableHint`, checked on the device); otherwise
+  :meth:`PrefixAttention.plan_hinted` for steps with sharing (decode steps, and steps with
+  prefill chunks that are not replayed from graphs), from an earlier step's host copy of the
+  table (:class:`TableHint`, checked on the device); otherwise
   :meth:`PrefixAttention.plan` from a host copy of this step's table, which also updates the
   :class:`SharingProbe` verdict and the hint. Each choice is correct for any batch; the state
   only decides how fast the step is planned.
@@ -75,8 +76,10 @@ class StepOptions:
     shared no page. False: such steps copy the block table to the host (:meth:`plan`)."""
 
     hinted_plans: bool = True
-    """Plan decode steps with sharing with :meth:`PrefixAttention.plan_hinted` from an earlier
-    step's host copy of the table. False: they copy this step's table (:meth:`plan`)."""
+    """Plan steps with sharing with :meth:`PrefixAttention.plan_hinted` from an earlier step's
+    host copy of the table (decode steps, and eager steps with prefill chunks, whose new
+    requests the hint does not know: planned as sharing nothing). False: they copy this
+    step's table (:meth:`plan`)."""
 
     graph_slots_per_token: int | None = None
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
@@ -188,7 +191,7 @@ class StepPlanner:
 
     A step::
 
-        choice = planner.choose(num_real, decode=..., capture=..., device_table=...)
+        choice = planner.choose(num_real, decode=..., capture=..., device_table=..., graph=...)
         attention = planner.attention_for(graph=...)
         if choice.device_table:
             plan = planner.plan_device(attention, choice, device_table, seq_lens, qo_indptr,
@@ -281,19 +284,27 @@ class StepPlanner:
 
     # ---------------------------------------------------------------- the policy
     def choose(
-        self, num_real: int, *, decode: bool, capture: bool = False, device_table: bool = True
+        self,
+        num_real: int,
+        *,
+        decode: bool,
+        capture: bool = False,
+        device_table: bool = True,
+        graph: bool = False,
     ) -> StepChoice:
         """How to plan a step of ``num_real`` real requests.
 
-        decode: at most one new token per request (hinted plans need it). capture: the
-        engine's CUDA-graph capture batch (always copied). device_table: the engine can give
-        the device table (int32) with exact host lengths (False: always copy).
+        decode: at most one new token per request. capture: the engine's CUDA-graph capture
+        batch (always copied). device_table: the engine can give the device table (int32)
+        with exact host lengths (False: always copy). graph: the step may be replayed from a
+        captured CUDA graph (:attr:`graph_attention`), whose hinted plans' fallback launches
+        are those of decode steps: other steps of it are copied.
         """
         if not device_table or capture or num_real <= 0:
             return StepChoice("copy")
         if self.options.unshared_plans and not self.probe.expects_sharing():
             return StepChoice("unshared")
-        if self.options.hinted_plans and decode:
+        if self.options.hinted_plans and (decode or not graph):
             hint = self.table_hint.take()
             if hint is not None:
                 return StepChoice("hinted", hint)

@@ -193,6 +193,8 @@ class HintedState:
         self.check_buffers = PlanBuffers(device)
         self.plan: LaunchPlan | None = None
         self.variants = 0
+        self.fixed = False
+        """The variants are fixed (``reserve(hinted=True)``: CUDA graphs launch them)."""
         self.check: tuple[tuple[Any, ...], torch.Tensor] | None = None
         """The last device check's positions (:func:`pages_differ`) and their key."""
 

@@ -259,7 +259,10 @@ class PrefixAttnBackend(AttentionBackend):
         # Graph replays pad the batch at its end (rows of request 0): leave those out.
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         choice = self.planner.choose(
-            real, decode=forward_batch.forward_mode.is_decode(), capture=capture
+            real,
+            decode=forward_batch.forward_mode.is_decode(),
+            capture=capture,
+            graph=core is not self.core,
         )
         if choice.device_table:
             # The page ids are gathered on the device (no wait); the planner looks at this

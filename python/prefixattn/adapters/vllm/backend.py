@@ -476,6 +476,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             b,
             decode=max_q <= 1,
             capture=capture,
+            graph=eligible,
             device_table=self.exact_host_seq_lens
             and host_lens is not None
             and cm.block_table_tensor.dtype == torch.int32,
