@@ -231,3 +231,20 @@ def read_entries(host, page_size: int) -> np.ndarray:
 def read_pages(plan) -> list[int]:
     """The page ids at :func:`read_entries` of a ``LaunchPlan``, in entry order."""
     return plan.kv_pages.cpu()[read_entries(plan.host, plan.page_size)].tolist()
+
+
+@pytest.fixture
+def advances(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the planner's ``advance()`` calls: {"advanced": n, "refused": m}."""
+    import prefixattn.attention as attention_module
+
+    counts = {"advanced": 0, "refused": 0}
+    real = attention_module.advance
+
+    def counted(*args, **kwargs):
+        hp = real(*args, **kwargs)
+        counts["advanced" if hp is not None else "refused"] += 1
+        return hp
+
+    monkeypatch.setattr(attention_module, "advance", counted)
+    return counts

@@ -132,6 +132,15 @@ TREE = [
 ]
 
 
+def _setup(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The rows of TREE, a backend over a model runner sized for them, its KV pool and its
+    req-to-token table (row b + 1 for request b)."""
+    rows = _rows(TREE, page_size)
+    runner = _runner(page_size, num_heads, num_kv_heads, head_dim, max_reqs=len(rows) + 2)
+    backend = PrefixAttnBackend(runner)
+    return rows, backend, runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+
+
 def _layer(layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> RadixAttention:
     return RadixAttention(
         num_heads=num_heads,
@@ -207,12 +216,8 @@ def _run_case(
 ):
     head_dim = 64
     gen = torch.Generator().manual_seed(1234 + page_size)
-    rows = _rows(TREE, page_size)
+    rows, backend, pool, req_to_token = _setup(page_size, num_heads, num_kv_heads, head_dim)
     bs = len(rows)
-    runner = _runner(page_size, num_heads, num_kv_heads, head_dim, max_reqs=bs + 2)
-    backend = PrefixAttnBackend(runner)
-    pool = runner.token_to_kv_pool
-    req_to_token = runner.req_to_token_pool.req_to_token
 
     # New tokens per request: decode 1 each; extend a few (cached prefix before them);
     # mixed = extend requests beside decode requests (query length 1), as chunked prefill.
@@ -466,29 +471,14 @@ def test_decode_beside_another_prefill_backend():
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_run_advances_plans(page_size: int, monkeypatch: pytest.MonkeyPatch):
+def test_decode_run_advances_plans(page_size: int, advances: dict[str, int]):
     # Decode steps of one batch, each request one token longer per step: after the step that
     # copies the rows and the first device-table step, each plan is the previous one advanced
     # (the device table keeps its shape across steps), and every output stays right.
-    import prefixattn.attention as attention_module
-
-    counts = {"advanced": 0, "refused": 0}
-    real_advance = attention_module.advance
-
-    def counted(*args, **kwargs):
-        hp = real_advance(*args, **kwargs)
-        counts["advanced" if hp is not None else "refused"] += 1
-        return hp
-
-    monkeypatch.setattr(attention_module, "advance", counted)
     heads, kv_heads, head_dim = 8, 2, 64
     gen = torch.Generator().manual_seed(7)
-    rows = _rows(TREE, page_size)
+    rows, backend, pool, req_to_token = _setup(page_size, heads, kv_heads, head_dim)
     bs = len(rows)
-    runner = _runner(page_size, heads, kv_heads, head_dim, max_reqs=bs + 2)
-    backend = PrefixAttnBackend(runner)
-    pool = runner.token_to_kv_pool
-    req_to_token = runner.req_to_token_pool.req_to_token
     layer = _layer(0, heads, kv_heads, head_dim)
     cached = sorted({s for row in rows for s in row})
     k = torch.randn(len(cached), kv_heads, head_dim, generator=gen, dtype=DTYPE)
@@ -516,4 +506,4 @@ def test_decode_run_advances_plans(page_size: int, monkeypatch: pytest.MonkeyPat
     # Two plans (the hinted one and its fallback) per step from the third step on, except
     # the hinted plan of the third step: the rows copied at the second (the run's new hint)
     # have landed, and a new hint is planned afresh.
-    assert counts["advanced"] == 2 * (steps - 2) - 1 and counts["refused"] == 0
+    assert advances["advanced"] == 2 * (steps - 2) - 1 and advances["refused"] == 0

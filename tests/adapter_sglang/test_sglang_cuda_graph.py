@@ -28,10 +28,9 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_repl
 from test_sglang_backend import (  # the autouse single-rank fixture comes along
     DTYPE,
     MAX_CONTEXT,
-    TREE,
     _layer,
-    _rows,
     _runner,
+    _setup,
     _single_rank,  # noqa: F401
     check_against_reference,
 )
@@ -99,12 +98,8 @@ def _capture(backend: PrefixAttnBackend, reg, layers, gen) -> dict[int, ForwardB
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_replay_of_a_padded_shared_prefix_batch(page_size: int):
     gen = torch.Generator().manual_seed(77 + page_size)
-    rows = _rows(TREE, page_size)
+    rows, backend, pool, req_to_token = _setup(page_size, HEADS, KV_HEADS, HEAD_DIM)
     raw_bs = len(rows)
-    runner = _runner(page_size, HEADS, KV_HEADS, HEAD_DIM, max_reqs=raw_bs + 2)
-    backend = PrefixAttnBackend(runner)
-    pool = runner.token_to_kv_pool
-    req_to_token = runner.req_to_token_pool.req_to_token
     layers = [_layer(lid, HEADS, KV_HEADS, HEAD_DIM) for lid in range(2)]
 
     backend.init_cuda_graph_state(max(CAPTURE_BS), max(CAPTURE_BS))

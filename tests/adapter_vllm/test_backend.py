@@ -455,23 +455,10 @@ def test_kernel_block_size_for_large_kv_blocks() -> None:
     assert select_common_block_size(528, [PrefixAttentionBackend]) == 88
 
 
-def test_decode_run_advances_plans(
-    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_decode_run_advances_plans(vllm_config: VllmConfig, advances: dict[str, int]) -> None:
     """Decode steps of one batch, each request one token longer per step (a new block where
     its last one is full): after the step that copies the table and the first hinted step,
     each plan is the previous one advanced, and every step's attention stays right."""
-    import prefixattn.attention as attention_module
-
-    counts = {"advanced": 0, "refused": 0}
-    real_advance = attention_module.advance
-
-    def counted(*args, **kwargs):
-        hp = real_advance(*args, **kwargs)
-        counts["advanced" if hp is not None else "refused"] += 1
-        return hp
-
-    monkeypatch.setattr(attention_module, "advance", counted)
     rng = torch.Generator().manual_seed(5)
     batch = Batch(rng, 16, 8, False)
     bs, width = batch.block_table.shape
@@ -497,4 +484,4 @@ def test_decode_run_advances_plans(
     assert builder.plan_kinds == {"copy": 1, "unshared": 0, "hinted": steps - 1}
     # Two plans (the hinted one and its fallback) per step from the third step on, except
     # the hinted plan of the third step: the table copied at the second is the new hint.
-    assert counts["advanced"] == 2 * (steps - 2) - 1 and counts["refused"] == 0
+    assert advances["advanced"] == 2 * (steps - 2) - 1 and advances["refused"] == 0

@@ -8,26 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import prefixattn.attention as attention_module
 from prefixattn import PrefixAttention, attention_reference
 from prefixattn.engine.step import StepPlanner
 from prefixattn.plan.advance import ADVANCE_STEPS, advance, with_room
 from prefixattn.plan.device_table import table_positions
 from prefixattn.plan.layout import COUNTS
-
-
-@pytest.fixture
-def advances(monkeypatch):
-    """Counts of advance() calls by the planner: {"advanced": n, "refused": m}."""
-    counts = {"advanced": 0, "refused": 0}
-
-    def counted(*args, **kwargs):
-        hp = advance(*args, **kwargs)
-        counts["advanced" if hp is not None else "refused"] += 1
-        return hp
-
-    monkeypatch.setattr(attention_module, "advance", counted)
-    return counts
 
 
 def _batch(ps, requests, shared, private, steps, seed, groups=2):
