@@ -248,3 +248,78 @@ def advances(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(attention_module, "advance", counted)
     return counts
+
+
+def engine_run(
+    page_size: int, seed: int, device: torch.device, dtype: torch.dtype, tol: float
+) -> dict[str, int]:
+    """40 steps as an engine makes them, planned by a ``StepPlanner``: decode runs, requests
+    that finish and join (with a prefill chunk, under one of three shared prefixes), rows
+    that move. Each step's attention must equal plain attention over the table within
+    ``tol`` (relative to its largest value). Returns how many steps took each plan kind
+    (``"hinted-fallback"``: the device check failed)."""
+    from prefixattn import PrefixAttention, attention_reference
+    from prefixattn.engine.step import StepPlanner
+
+    rng = np.random.default_rng(seed)
+    hq, hkv, d, width = 4, 2, 64, 64
+    planner = StepPlanner(
+        lambda: PrefixAttention(hq, hkv, d, page_size, device=device, dtype=dtype), page_size
+    )
+    prefixes = [list(range(p * 100, p * 100 + int(rng.integers(2, 9)))) for p in range(3)]
+    next_page = 1000
+
+    def new_request() -> tuple[list[int], int]:
+        nonlocal next_page
+        pages = list(prefixes[int(rng.integers(0, 3))])
+        own = int(rng.integers(1, 4))
+        shared = len(pages)
+        pages += list(range(next_page, next_page + own + 8))  # room to grow
+        next_page += own + 8
+        return pages, (shared + own) * page_size - int(rng.integers(0, page_size))
+
+    requests = [new_request() for _ in range(6)]
+    kinds: dict[str, int] = {}
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(next_page + 2000, page_size, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(next_page + 2000, page_size, hkv, d, generator=gen).to(device, dtype)
+    for _ in range(40):
+        event = rng.random()
+        if event < 0.15 and len(requests) > 2:  # a request finishes
+            requests.pop(int(rng.integers(0, len(requests))))
+        elif event < 0.35 and event >= 0.3:  # rows move
+            requests = [requests[i] for i in rng.permutation(len(requests))]
+        new_tokens = [1] * len(requests)
+        if 0.15 <= event < 0.3:  # a request joins with a prefill chunk
+            pages, length = new_request()
+            requests.append((pages, length))
+            new_tokens.append(min(int(rng.integers(2, 9)), length))
+        lens = np.array([n for _, n in requests], dtype=np.int64)
+        lens += np.array(new_tokens) == 1  # decode: one more token
+        requests = [(p, int(n)) for (p, _), n in zip(requests, lens, strict=True)]
+        table = np.zeros((len(requests), width), np.int32)
+        for i, (pages, _) in enumerate(requests):
+            table[i, : len(pages)] = pages
+        indptr = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int64)
+        choice = planner.choose(len(requests), decode=max(new_tokens) == 1)
+        attention = planner.attention_for(graph=False)
+        if choice.device_table:
+            dev_table = torch.from_numpy(table).to(device)
+            plan = planner.plan_device(
+                attention, choice, dev_table, lens, indptr, num_real=len(requests)
+            )
+        else:
+            plan = planner.plan_host(attention, table, lens, indptr, num_real=len(requests))
+        kind: str = choice.kind
+        if plan.fallback_taken is not None and bool(plan.fallback_taken):
+            kind += "-fallback"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        q = torch.randn(int(indptr[-1]), hq, d, generator=gen).to(device, dtype)
+        out = attention.run(q, k, v, plan=plan)
+        ref = attention_reference(
+            q.double(), k.double(), v.double(), torch.from_numpy(table).to(device),
+            torch.from_numpy(lens).to(device), torch.from_numpy(indptr).to(device),
+        )  # fmt: skip
+        err = (out.double() - ref).abs().max().item()
+        assert err <= tol * max(ref.abs().max().item(), 1.0), (kind, err)
+    return kinds

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import engine_run
 
 from prefixattn import LaunchPlan, PrefixAttention
 from prefixattn.engine import step
@@ -314,3 +315,17 @@ def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> N
     fewer.seq_lens = batch.seq_lens[:3] + 1
     assert kind(run_step(planner, fewer)) == "hinted"
     assert len(copies) == 4
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_engine_run_equals_plain_attention(
+    page_size: int, seed: int, advances: dict[str, int]
+) -> None:
+    """Many steps as an engine makes them: decode runs, requests that finish and join (with
+    prefill chunks, sharing a few prefixes), rows that move; every step's attention is plain
+    attention over the table, whatever the planner chose."""
+    kinds = engine_run(page_size, seed, torch.device("cpu"), torch.float64, 1e-10)
+    # Most steps planned from the hint, some of them advanced, some caught by the check.
+    assert kinds.get("hinted", 0) > 10 and kinds.get("hinted-fallback", 0) > 0
+    assert advances["advanced"] > 0

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import engine_run
 
 import prefixattn
 from prefixattn import LaunchOptions
@@ -888,6 +889,15 @@ def test_plan_hinted_with_prefill_chunks(page_size, hint_kind):
                   hinted=True)  # fmt: skip
     with pytest.raises(ValueError, match="fixed for decode steps"):
         fixed.plan_hinted(dev_table, hint, lens, qo)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_engine_run_on_cuda(page_size):
+    """The CPU suite's engine run (decode runs, joins with prefill chunks, rows that move) on
+    the kernels: advanced plans with room, reused expansions and hint checks, skipped array
+    copies and hinted steps with prefill chunks, every step against plain attention."""
+    kinds = engine_run(page_size, 3, torch.device(DEV), torch.bfloat16, 3e-2)
+    assert kinds.get("hinted", 0) > 10
 
 
 def test_cuda_graph_replays_hinted_plans():
