@@ -138,13 +138,7 @@ def advance(
         ends = h.kv_page_offset[tail[paged]].astype(np.int64) + new_tail_pages[paged]
         if (ends > index.page_limits(h, page_size)[tail[paged]]).any():
             old_pages = -(-h.kv_len.astype(np.int64) // page_size)
-            new_pages = -(-kv_len // page_size)
-            has = np.flatnonzero(new_pages > 0)
-            off = h.kv_page_offset.astype(np.int64)[has]
-            o, first, run = stored_runs(off, off + old_pages[has])
-            has, off = has[o], off[o]
-            rel = off - off[first][run]
-            run_len = np.maximum.reduceat(rel + new_pages[has], first)
+            has, run, rel, run_len = _page_runs(h, old_pages, -(-kv_len // page_size))
             start = np.cumsum(run_len) - run_len
             kv_page_offset = h.kv_page_offset.copy()
             kv_page_offset[has] = (start[run] + rel).astype(np.int32)
@@ -178,26 +172,20 @@ def with_room(hp: HostPlan, page_size: int, room: int | None = None) -> HostPlan
     plan moves no item's pages (their positions, and so the device's expansion of them, stay
     the same). ``room``: at most this many entries in all (e.g. what a reserved device buffer
     holds), the room shared evenly by the runs (0 where there is none: end to end); None:
-    no limit. Only for plans whose page ids are
-    read on the device (the entries are positions, :mod:`prefixattn.plan.device_table`).
+    no limit. Only for plans whose page ids are read on the device (the entries are
+    positions, :mod:`prefixattn.plan.device_table`).
 
     Worked example (page size 1): runs of 10 and 3 entries at offsets 0 and 10 become runs at
     offsets 0 and 27, 47 entries in all (17 = ADVANCE_STEPS + 1 entries of room after each).
     """
     h = hp.host
     npages = -(-h.kv_len.astype(np.int64) // page_size)
-    has = np.flatnonzero(npages > 0)
-    if not len(has):
+    if not (npages > 0).any():
         return hp
-    off = h.kv_page_offset.astype(np.int64)[has]
-    o, first, run = stored_runs(off, off + npages[has])
-    has, off = has[o], off[o]
-    run_start = off[first]
-    rel = off - run_start[run]
-    run_len = np.maximum.reduceat(rel + npages[has], first)
+    has, run, rel, run_len = _page_runs(h, npages, npages)
     extra = -(-ADVANCE_STEPS // page_size) + 1
     if room is not None:
-        extra = min(extra, max(room - int(run_len.sum()), 0) // len(first))
+        extra = min(extra, max(room - int(run_len.sum()), 0) // len(run_len))
     size = run_len + extra
     start = np.cumsum(size) - size
     num_pages = int(size.sum())
@@ -207,6 +195,20 @@ def with_room(hp: HostPlan, page_size: int, room: int | None = None) -> HostPlan
     counts[_NUM_PAGES] = num_pages
     host = dataclasses.replace(h, kv_page_offset=kv_page_offset, kv_pages=_zeros(num_pages))
     return dataclasses.replace(hp, host=host, counts=counts)
+
+
+def _page_runs(
+    h: Any, old_pages: np.ndarray, new_pages: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The stored page runs of ``h`` (by the items' ``old_pages``, :func:`stored_runs`) and
+    their lengths with ``new_pages`` per item: ``has`` (the items with pages, in stored
+    order), ``run`` (the run of each), ``rel`` (its offset in the run) and ``run_len``."""
+    has = np.flatnonzero(new_pages > 0)
+    off = h.kv_page_offset.astype(np.int64)[has]
+    o, first, run = stored_runs(off, off + old_pages[has])
+    has, off = has[o], off[o]
+    rel = off - off[first][run]
+    return has, run, rel, np.maximum.reduceat(rel + new_pages[has], first)
 
 
 def _zeros(n: int) -> np.ndarray:

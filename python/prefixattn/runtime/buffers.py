@@ -51,7 +51,8 @@ class PlanBuffers:
         self._loaded: dict[str, np.ndarray] = {}  # in the device buffer and in staging
         self._views: dict[tuple[str, int], torch.Tensor] = {}  # of the current buffer
         self.positions: tuple[tuple[Any, ...], torch.Tensor] | None = None
-        """The last expanded page positions (:func:`load_plan_arrays`) and their key."""
+        """The last positions expanded from runs loaded here (:func:`load_plan_arrays`,
+        :func:`pages_differ`) and their key."""
 
     def capacity(self, name: str) -> int:
         return self._capacity.get(name, 0)
@@ -195,8 +196,6 @@ class HintedState:
         self.variants = 0
         self.fixed = False
         """The variants are fixed (``reserve(hinted=True)``: CUDA graphs launch them)."""
-        self.check: tuple[tuple[Any, ...], torch.Tensor] | None = None
-        """The last device check's positions (:func:`pages_differ`) and their key."""
 
 
 def load_plan_arrays(
@@ -251,9 +250,7 @@ def load_plan_arrays(
                 lens, deltas = views.pop("page_run_len"), views.pop("page_run_delta")
                 # Entry i of run r stands for position i + delta[r]; entries past an item's
                 # pages (room for later steps) may pass the table's end: any valid position.
-                pos = _arange(num_pages, pages.device) + torch.repeat_interleave(
-                    deltas, lens, output_size=num_pages
-                )
+                pos = _expand(deltas, lens, num_pages)
                 pos.clamp_(max=page_table.numel() - 1)
                 if target is not None:
                     target.positions = (key, pos)
@@ -277,6 +274,12 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
                             device=device)  # fmt: skip
         _ARANGE[device] = have
     return have[:n]
+
+
+def _expand(deltas: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 [total]: entry i of run r (``lens[r]`` entries each, in order) stands for
+    position ``i + deltas[r]``, on the runs' device."""
+    return _arange(total, deltas.device) + torch.repeat_interleave(deltas, lens, output_size=total)
 
 
 def _gather_positions(table: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
@@ -304,8 +307,9 @@ def pages_differ(
     if not n.size:
         return torch.zeros((), dtype=torch.bool, device=device)
     key = (runs["a"].tobytes(), runs["b"].tobytes(), n.tobytes(), block_table.shape, device)
-    if state is not None and state.check is not None and state.check[0] == key:
-        idx = state.check[1]  # the last check's positions (a decode run checks the same)
+    last = None if state is None else state.check_buffers.positions
+    if last is not None and last[0] == key:
+        idx = last[1]  # the last check's positions (a decode run checks the same)
     else:
         start = np.cumsum(n, dtype=np.int64) - n
         total = int(start[-1] + n[-1])
@@ -318,11 +322,9 @@ def pages_differ(
             "n": np.concatenate([n, n]).astype(np.int32),
         }
         v = state.check_buffers.load(arrays) if state is not None else load_on_host(arrays)
-        idx = _arange(2 * total, device) + torch.repeat_interleave(
-            v["delta"], v["n"], output_size=2 * total
-        )
+        idx = _expand(v["delta"], v["n"], 2 * total)
         if state is not None:
-            state.check = (key, idx)
+            state.check_buffers.positions = (key, idx)
     pages = torch.empty(idx.numel(), dtype=block_table.dtype, device=device)
     _gather_positions(block_table, idx, pages)
     half = idx.numel() // 2
