@@ -292,6 +292,7 @@ class PrefixAttention:
     pack_heads = _Option[bool]("plan_options", PlanOptions)
     finish_in_leaf = _Option[bool]("plan_options", PlanOptions)
     one_launch_in_one_wave = _Option[bool]("plan_options", PlanOptions)
+    split_waves = _Option[bool]("plan_options", PlanOptions)
     max_plan_bytes = _Option[int | None]("plan_options", PlanOptions)
     use_kernels = _Option[bool]("launch_options", LaunchOptions)
     prefetch_tiles = _Option[int]("launch_options", LaunchOptions)
@@ -795,7 +796,7 @@ class PrefixAttention:
                 native=native, finish_in_leaf=options.finish_in_leaf,
                 one_launch_in_one_wave=options.one_launch_in_one_wave,
                 pack_heads=options.pack_heads, max_bytes=options.max_plan_bytes,
-                page_ids=page_table is None,
+                page_ids=page_table is None, split_waves=options.split_waves,
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None

@@ -86,6 +86,13 @@ class PlanOptions(_Checked):
     kernels run as one launch instead of one per height (docs/dev/log.md, v8). False:
     each item keeps its own tile height."""
 
+    split_waves: bool = False
+    """With a split target, cut the split row chunks of each launch into fewer parts where
+    the launch's estimated makespan is shorter (whole waves of the SMs instead of a last,
+    partly filled round; ``prefixattn.plan.packing.fill_waves``). Plans are built by the
+    Python packer then (the compiled planner has no such rule). Off by default: not yet
+    measured against the kernels (docs/dev/serving.md, part 6)."""
+
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
     """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than
     this many bytes; None: no limit. The estimate is taken from the lengths alone before any
@@ -100,6 +107,7 @@ class PlanOptions(_Checked):
         "pack_heads": _check_bool,
         "finish_in_leaf": _check_bool,
         "one_launch_in_one_wave": _check_bool,
+        "split_waves": _check_bool,
         "max_plan_bytes": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
     }
 

@@ -130,6 +130,7 @@ def check(
     chained=False,
     split_target=None,
     narrow=True,
+    split_waves=False,
 ):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -144,6 +145,7 @@ def check(
         pa.tiles = dataclasses.replace(pa.tiles, narrow_m_sizes=())
     if split_target is not None:
         pa.split_target = split_target
+    pa.split_waves = split_waves
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
     out = torch.full_like(q, float("nan"))
     scale = 1.0 / math.sqrt(d)
@@ -596,6 +598,19 @@ def test_leaf_launch_finishes_merged_tokens(mode):
         ref = gathered_attention(q, k, v, table, lens, qo_indptr, "NHD", 0.1)
         assert not torch.isnan(out).any(), f"{mode}: unwritten output or early-read partials"
         assert_close_to_reference(out, ref, torch.bfloat16, plan, f"{mode}: ")
+
+
+@pytest.mark.parametrize(("spec", "target"), [("1,256_4096,32", 132), ("1,128_1024,8", 66)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_split_waves(spec, target, page_size):
+    # Plans whose split chunks take fewer parts (PlanOptions.split_waves) on the kernels.
+    table, lens = tree_batch(spec, page_size, seed=1)
+    plan = check(
+        32, 8, 128, page_size, torch.bfloat16, "NHD", False, table, lens,
+        int(table.max()) + 1, np.ones(len(lens), dtype=np.int32),
+        split_target=target, split_waves=True,
+    )  # fmt: skip
+    assert plan.num_partials > 0
 
 
 @pytest.mark.parametrize("split_kv", [False, True])

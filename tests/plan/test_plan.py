@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixattn import PAT_TREES, PrefixAttention, tree_batch
-from prefixattn.plan.packing import MIN_SPLIT_TOKENS
+from prefixattn.plan.packing import MIN_SPLIT_TOKENS, WAVE_PAIR_TOKENS, fill_waves, launch_makespan
 from prefixattn.plan.planner import DEVICE_ARRAYS
 
 HEADS = [(32, 32), (16, 8), (32, 8), (64, 8)]
@@ -200,6 +200,54 @@ def test_split_target_cuts_only_chunks_that_leave_sms_idle() -> None:
     for target in (128, 16):
         pa.split_target = target
         assert root_items(pa.plan(table, lens)) == [4096] * 8
+
+
+def test_split_waves_fills_whole_waves() -> None:
+    # The plan above: 5 parts per root chunk, 320 pairs in 3 rounds (the last two thirds
+    # full). With split_waves each chunk gets 2 parts of 2048 tokens: 128 pairs, one round.
+    table, lens = tree_batch("1,256_4096,32", 16)
+    pa = PrefixAttention(32, 8, 128, 16)
+    pa.split_target = 132
+    pa.split_waves = True
+
+    def root_items(plan) -> list[int]:
+        h = plan.host
+        return sorted(int(n) for s, n in zip(h.kv_start, h.kv_len, strict=True) if s < 4096)
+
+    waves = pa.plan(table, lens)
+    assert root_items(waves) == [2048] * 16
+    # Leaves and everything below the rule's split stay as they were.
+    pa.split_waves = False
+    plain = pa.plan(table, lens)
+
+    def leaf_items(plan) -> list[tuple[int, int]]:
+        h = plan.host
+        return sorted(
+            (int(s), int(n)) for s, n in zip(h.kv_start, h.kv_len, strict=True) if s >= 4096
+        )
+
+    assert leaf_items(plain) == leaf_items(waves)
+    # Where the rule cuts nothing, nothing changes.
+    for target in (128, 16):
+        pa.split_target = target
+        pa.split_waves = False
+        unsplit = pa.plan(table, lens)
+        pa.split_waves = True
+        assert _same_arrays(pa.plan(table, lens), unsplit)
+
+
+def test_launch_makespan_worked_example() -> None:
+    lens = np.full(8, 4096)
+    assert launch_makespan(lens, np.full(8, 2), 8, 132, 16) == 2048 + WAVE_PAIR_TOKENS
+    # 5 parts of 51 or 52 pages: 320 pairs, 3 rounds on 107 blocks.
+    assert launch_makespan(lens, np.full(8, 5), 8, 132, 16) == 3232
+    assert launch_makespan(lens, np.full(8, 1), 8, 132, 16) == 4096 + WAVE_PAIR_TOKENS
+    parts = fill_waves(np.full(8, 5), lens, np.zeros(8, dtype=np.int64), np.full(8, 132), 8, 16)
+    assert parts.tolist() == [2] * 8
+    # Chunks the rule left whole are never cut by it.
+    mixed = fill_waves(np.array([5, 1]), np.array([4096, 4096]), np.zeros(2, dtype=np.int64),
+                       np.full(2, 4), 8, 16)  # fmt: skip
+    assert mixed[1] == 1 and 1 <= mixed[0] <= 5
 
 
 def test_one_wave_plan_runs_as_one_launch() -> None:

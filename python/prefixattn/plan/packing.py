@@ -63,6 +63,10 @@ MIN_SPLIT_TOKENS = 256
 # more than this many times its launch's KV tokens per SM (unsplit, that launch would leave
 # SMs idle for more than half of its time), into parts of at most 1 / SPLIT_SLACK of that.
 SPLIT_SLACK = 2
+# With split_waves, what a pair costs beside its KV tokens in the makespan estimate of a
+# launch: about four 64-key tiles, the time a `wgmma` block takes from a pair's start to its
+# first tile (docs/dev/log.md, v62).
+WAVE_PAIR_TOKENS = 256
 # A merged token the leaf launch finishes has at most this many other partial rows (its q_out
 # holds the count in 4 bits; see finish_in_leaf).
 MAX_FINISH_OTHERS = FINISH_RADIX - 1
@@ -258,6 +262,70 @@ def page_runs(
     return offset, pages
 
 
+def launch_makespan(
+    lens: np.ndarray, parts: np.ndarray, heads: int, slots: int, page_size: int
+) -> int:
+    """Estimated makespan, in KV tokens, of one launch whose row chunks have KV lengths
+    ``lens`` and are cut into ``parts`` page-aligned parts each, run as the kernels run a
+    launch: ``heads`` pairs per part, item-fastest in longest-first order, grid-strided over
+    ``ceil(pairs / rounds)`` blocks with ``rounds = ceil(pairs / slots)``. Each pair costs
+    its part's tokens plus ``WAVE_PAIR_TOKENS``.
+
+    Worked example: eight row chunks of 4096 tokens at page size 16, 8 KV heads, 132 slots:
+    2 parts each -> 128 pairs, one round, 2048 + 256 = 2304; 5 parts each (51 or 52 pages)
+    -> 320 pairs in 3 rounds on 107 blocks, 3232 on the busiest block.
+    """
+    pages = -(-lens // page_size)
+    owner = np.repeat(np.arange(len(lens)), parts)
+    k = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
+    p = parts[owner]
+    begin = (k * pages[owner] // p) * page_size
+    end = np.minimum(lens[owner], ((k + 1) * pages[owner] // p) * page_size)
+    cost = np.sort(end - begin)[::-1] + WAVE_PAIR_TOKENS
+    seq = np.tile(cost, heads)  # pair j = head * items + item: item-fastest
+    n = len(seq)
+    if n == 0:
+        return 0
+    rounds = -(-n // slots)
+    blocks = -(-n // rounds)
+    return int(np.bincount(np.arange(n) % blocks, weights=seq, minlength=blocks).max())
+
+
+def fill_waves(
+    parts: np.ndarray,
+    chunk_len: np.ndarray,
+    height: np.ndarray,
+    slots: np.ndarray,
+    heads: int,
+    page_size: int,
+) -> np.ndarray:
+    """The split rule's ``parts`` per row chunk, with fewer parts where that fills the SMs'
+    waves better: for each tile height with split chunks, every split chunk's parts are
+    scaled by k / rounds (k = 1 .. rounds - 1, at least 1 part, at most the rule's) and the
+    choice with the shortest :func:`launch_makespan` is kept (ties: fewer parts). ``slots``:
+    pairs the GPU runs at once for each chunk's height.
+
+    Worked example: the 128-row launch of a decode step of 256 requests under one
+    4096-token prefix at group size 4 (8 row chunks of 4096 tokens, 8 KV heads, 132 SMs):
+    the rule cuts each chunk into 5 parts (320 pairs, 3 rounds); 2 parts run in one round,
+    an estimated 2304 tokens against 3232 (:func:`launch_makespan`), so each chunk gets 2.
+    """
+    out = parts.copy()
+    for h in np.unique(height[parts > 1]):
+        member = np.flatnonzero(height == h)
+        p, lens = parts[member], chunk_len[member]
+        s = int(slots[member[0]])
+        n = heads * int(p.sum())
+        best, best_cost = p, launch_makespan(lens, p, heads, s, page_size)
+        for k in range(1, -(-n // s)):
+            cand = np.where(p > 1, np.clip(p * k * s // n, 1, p), p)
+            cost = launch_makespan(lens, cand, heads, s, page_size)
+            if cost < best_cost or (cost == best_cost and cand.sum() < best.sum()):
+                best, best_cost = cand, cost
+        out[member] = best
+    return out
+
+
 def pack(
     forest: PrefixForest,
     block_table: np.ndarray,
@@ -268,12 +336,15 @@ def pack(
     packing: str,
     split_kv: bool,
     split_target: int = 0,
+    split_waves: bool = False,
 ) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting.
 
     ``split_target``: (item, KV head) pairs the GPU runs at once (its SM count): a long row
     chunk is split only where its pairs would leave SMs of their launch idle; 0 splits every
-    long item regardless.
+    long item regardless. ``split_waves`` (with a split target): then cut the split chunks
+    of each launch into fewer parts where that shortens the launch's estimated makespan
+    (:func:`fill_waves`).
     """
     ps = forest.page_size
     qo_indptr = qo_indptr.astype(np.int64)
@@ -387,6 +458,8 @@ def pack(
             parts = np.where(idle, np.minimum(np.minimum(cap, balanced), floor_parts), 1)
             if big:
                 parts, chunk_len = parts.astype(np.int64), chunk_len.astype(np.int64)
+            elif split_waves:
+                parts = fill_waves(parts, chunk_len, height, slots, shape.num_kv_heads, ps)
     part_chunk = np.repeat(np.arange(n_chunks), parts)
     part_rank, _ = _segment_rank(part_chunk, n_chunks)
     pc, pp = chunk_pages[part_chunk], parts[part_chunk]

@@ -188,6 +188,7 @@ def build_host_plan(
     pack_heads: bool,
     max_bytes: int | None = None,
     page_ids: bool = True,
+    split_waves: bool = False,
 ) -> HostPlan:
     """The host plan of checked inputs.
 
@@ -199,11 +200,13 @@ def build_host_plan(
     exceeds it (None: no limit). ``page_ids``: ``table`` holds page ids (the pages read are
     checked, the largest is reported); False: positions in a device table, valid by
     construction (``max_page_id`` -1). The other switches are those of
-    :class:`prefixattn.PlanOptions`.
+    :class:`prefixattn.PlanOptions`; ``split_waves`` plans with the Python packer (the
+    compiled planner does not have that rule).
     """
     check_plan_size(lens, indptr, page_size, shape.group_size, tiles, max_bytes)
     num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
     target = split_target
+    native = native and not split_waves
 
     # The forest is built once per call: the Python planner keeps it here, the compiled one
     # in the op's per-thread state (reuse_forest for every build after the first).
@@ -227,8 +230,9 @@ def build_host_plan(
             forests.append(build_forest(table, live, page_size))
         forest = forests[0]
         return forest, *pack(
-            forest, table, lens, indptr, shape, table_of_tiles, packing, split_kv, target
-        )
+            forest, table, lens, indptr, shape, table_of_tiles, packing, split_kv, target,
+            split_waves=split_waves,
+        )  # fmt: skip
 
     forest, host, plan_tiles, tile_indptr, acc = build(tiles)
     used = tiles
