@@ -23,7 +23,7 @@ def no_out(monkeypatch):
 
 def test_smoke_covers_every_axis_value(m) -> None:
     smoke = m.select("smoke")
-    assert 12 <= len(smoke) <= 20
+    assert 12 <= len(smoke) <= 24
     assert len({c.id for c in smoke}) == len(smoke)
     for axis, values in m.AXES.items():
         seen = {getattr(c, axis) for c in smoke}
@@ -151,7 +151,8 @@ def test_budget_skips_the_rest(m, monkeypatch, tmp_path, no_out) -> None:
     # Custom cells are estimated at 60 s and take 50 s here: 150 s run two, not three.
     rc, data = run_main(m, monkeypatch, tmp_path, 2, {}, "--engines", "custom", "--budget", "150")
     statuses = [r["status"] for r in data["cells"]]
-    assert statuses == ["pass", "pass", "skip", "skip"]
+    assert statuses == ["pass", "pass"] + ["skip"] * (len(statuses) - 2)
+    assert len(statuses) == len([c for c in m.SMOKE if c.engine == "custom"])
     assert all(r["why"].startswith("budget: 50 s of 150 s left") for r in data["cells"][2:])
     assert rc == 0
 
@@ -268,6 +269,33 @@ def test_workloads(m) -> None:
     assert m.make_requests("mixed")["knobs"] == {"chunk": 256}
     assert m.make_requests("arrivals")["knobs"] == {"max_seqs": 8}
     assert m.make_requests("forest")["warm"] and not m.make_requests("none")["warm"]
+    # Multi-turn: each turn's prompt extends the one before; turns 1 and 2 are cached first.
+    turns = m.make_requests("multiturn")
+    assert len(turns["prompts"]) == 12 and len(turns["warm"]) == 8
+    for c in range(4):
+        a, b, d = turns["prompts"][3 * c : 3 * c + 3]
+        assert b[: len(a)] == a and d[: len(b)] == b and len(a) < len(b) < len(d)
+    long = m.make_requests("longprompt")
+    assert all(2500 <= len(p) <= 3000 for p in long["prompts"]) and long["max_new"] == [8] * 4
+    low = m.make_requests("lowload")
+    assert low["knobs"] == {"max_seqs": 1} and low["arrival"] == list(range(6))
+    assert all(p[:600] == low["warm"][0] for p in low["prompts"][:4])
+
+
+def test_serving_selection(m) -> None:
+    cells = m.select("serving")
+    # Each serving workload's twin, both engines, graphs on and off, the 8B heads.
+    assert {c.workload for c in cells} == set(m.SERVING_WORKLOADS.values())
+    assert set(m.SERVING_WORKLOADS) == {
+        "forest", "multiturn", "parallel", "longprompt", "chat", "decode", "lowload"
+    }  # fmt: skip
+    assert len(cells) == 2 * 7 * 2 == len({c.id for c in cells})
+    assert {(c.engine, c.graphs) for c in cells} == {
+        (e, g) for e in ("vllm", "sglang") for g in ("on", "off")
+    }
+    assert all((c.heads, c.head_dim, c.tp, c.mode) == ("32/8", 128, 1, "plain") for c in cells)
+    assert [c.id for c in cells if m.unsupported(c)] == []
+    assert set(cells) <= set(m.full())
 
 
 def test_modes(m) -> None:
@@ -348,6 +376,20 @@ def test_custom_cell_on_cpu(m) -> None:
     r = m.judge(cell, ref, got)
     assert r["status"] == "pass", r
     assert r["tokens"] >= 18 and r["max_logprob_diff"] < 1e-3
+
+
+@pytest.mark.parametrize("workload", ["multiturn", "lowload"])
+def test_custom_cell_on_cpu_new_workloads(m, workload) -> None:
+    # The workloads' own prompts (shorter outputs): multi-turn chains and batches of one.
+    cell = m.Cell("custom", "4/2", 64, workload, "off", 1)
+    req = m.make_requests(workload)
+    req["max_new"] = [4] * len(req["prompts"])
+    kw = {"device": "cpu", "shape": TINY, "block_size": 4, "init_std": STD}
+    ref = m.run_custom(cell, "dense", req, **kw)
+    got = m.run_custom(cell, "prefixattn", req, **kw)
+    r = m.judge(cell, ref, got)
+    assert r["status"] == "pass", r
+    assert r["tokens"] >= len(req["prompts"]) and r["max_logprob_diff"] < 1e-3
 
 
 def test_custom_cell_catches_wrong_attention(m, monkeypatch) -> None:

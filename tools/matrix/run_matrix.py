@@ -32,6 +32,10 @@ import, or ``--budget`` is spent.
 
     python -m tools.matrix.run_matrix --select smoke [--engines vllm custom]
         [--cells SUBSTR ...] [--budget S] [--dry-run] [--out-md PATH] [--out-json PATH]
+
+Selections: ``smoke`` (every value of every axis in at least one cell), ``serving`` (the
+serving benchmark's workloads, ``SERVING_WORKLOADS``, in both engines with graphs on and off)
+and ``full`` (the product of the axes).
 """
 
 from __future__ import annotations
@@ -65,7 +69,18 @@ AXES: dict[str, tuple[Any, ...]] = {
     "engine": ("vllm", "sglang", "custom"),
     "heads": ("32/32", "32/8", "64/8", "28/4"),
     "head_dim": (128, 64),
-    "workload": ("none", "shared1", "multilevel", "forest", "parallel", "mixed", "arrivals"),
+    "workload": (
+        "none",
+        "shared1",
+        "multilevel",
+        "forest",
+        "parallel",
+        "mixed",
+        "arrivals",
+        "multiturn",
+        "longprompt",
+        "lowload",
+    ),
     "graphs": ("on", "off"),
     "tp": (1, 2),
     "mode": ("plain", "spec", "decode-only"),
@@ -91,9 +106,30 @@ WORKLOADS = {
     "prompts of 1500 tokens prefill in chunks (mixed prefill+decode steps)",
     "arrivals": "24 requests of 4-28 new tokens, at most 8 running: requests join as others "
     "leave (custom engine: staggered arrival steps)",
+    "multiturn": "4 conversations of 3 turns, each turn's prompt the previous one plus an answer "
+    "and a new message (turns 1-2 cached first), all turns at once",
+    "longprompt": "4 private prompts of 2500-3000 tokens, 8 new tokens each",
+    "lowload": "6 requests (4 under a 600-token prefix), one running at a time: decode batches "
+    "of one",
 }
 # Engine settings a workload needs: ``max_seqs`` (running requests), ``chunk`` (prefill chunk).
-WORKLOAD_KNOBS: dict[str, dict[str, int]] = {"mixed": {"chunk": 256}, "arrivals": {"max_seqs": 8}}
+WORKLOAD_KNOBS: dict[str, dict[str, int]] = {
+    "mixed": {"chunk": 256},
+    "arrivals": {"max_seqs": 8},
+    "lowload": {"max_seqs": 1},
+}
+# The serving benchmark's workloads (tools/serving/workloads.py) and the matrix workload with
+# the same structure, at the matrix's small scale: ``--select serving`` checks each in both
+# engines, CUDA graphs on and off.
+SERVING_WORKLOADS = {
+    "forest": "forest",
+    "multiturn": "multiturn",
+    "parallel": "parallel",
+    "longprompt": "longprompt",
+    "chat": "none",
+    "decode": "shared1",
+    "lowload": "lowload",
+}
 
 VOCAB = 8192
 MODEL_SHAPE = {"hidden": 1024, "intermediate": 2816, "layers": 4}
@@ -167,6 +203,9 @@ SMOKE: tuple[Cell, ...] = (
     _c("custom", "28/4", 64, "parallel", "off"),
     _c("custom", "64/8", 64, "arrivals", "off"),
     _c("custom", "32/32", 128, "mixed", "off"),
+    _c("custom", "32/8", 128, "multiturn", "off"),
+    _c("custom", "28/4", 64, "longprompt", "off"),
+    _c("custom", "64/8", 64, "lowload", "off"),
 )
 
 
@@ -174,7 +213,18 @@ def full() -> list[Cell]:
     return [Cell(*v) for v in itertools.product(*AXES.values())]
 
 
-SELECTIONS = {"smoke": lambda: list(SMOKE), "full": full}
+def serving() -> list[Cell]:
+    """Every serving-benchmark workload's matrix twin in vLLM and SGLang, graphs on and off,
+    at the 8B model's head configuration (32/8, head_dim 128), tensor parallel 1."""
+    return [
+        Cell(engine, "32/8", 128, workload, graphs, 1)
+        for engine in ("vllm", "sglang")
+        for workload in dict.fromkeys(SERVING_WORKLOADS.values())
+        for graphs in ("on", "off")
+    ]
+
+
+SELECTIONS = {"smoke": lambda: list(SMOKE), "full": full, "serving": serving}
 
 
 def select(
@@ -311,6 +361,25 @@ def make_requests(workload: str, seed: int = 0, echo: bool = False) -> dict[str,
             prompts.append((shared if i % 2 else []) + toks(rng.randint(20, 200)))
         max_new = [4 + (7 * i) % 25 for i in range(24)]
         arrival = [2 * i for i in range(24)]
+    elif workload == "multiturn":
+        for _ in range(4):
+            turn = toks(rng.randint(200, 400))
+            turns = [turn]
+            for _ in range(2):
+                turn = turn + toks(rng.randint(30, 60)) + toks(rng.randint(40, 100))
+                turns.append(turn)
+            warm += turns[:2]
+            prompts += turns
+    elif workload == "longprompt":
+        prompts = [toks(rng.randint(2500, 3000)) for _ in range(4)]
+        max_new = [8] * 4
+    elif workload == "lowload":
+        shared = toks(600)
+        warm = [shared]
+        prompts = [shared + toks(rng.randint(10, 80)) for _ in range(4)]
+        prompts += [toks(rng.randint(50, 150)) for _ in range(2)]
+        max_new = [12] * 6
+        arrival = list(range(6))
     else:
         raise ValueError(f"unknown workload {workload!r}")
     if echo:
