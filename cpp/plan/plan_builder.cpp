@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -32,6 +33,8 @@ inline int64_t ceildiv(int64_t a, int64_t b) { return -floordiv(-a, b); }
 // core/packer.py MIN_SPLIT_TOKENS and SPLIT_SLACK.
 constexpr int64_t kMinSplitTokens = 256;
 constexpr int64_t kSplitSlack = 2;
+// packing.py WAVE_PAIR_TOKENS: what a pair costs beside its KV tokens in split_waves' estimate.
+constexpr int64_t kWavePairTokens = 256;
 // Pairs per SM the split rule assumes for a tile height: the leaf kernel (16-row tiles at
 // head_dim <= 128) runs 8 at once (2 blocks of 4 warps, a pair per warp); core/packer.py
 // (pairs_per_sm) is the same rule.
@@ -614,10 +617,85 @@ int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chu
   return balanced < bound ? static_cast<int64_t>(balanced) : bound;
 }
 
+// packing.launch_makespan: the estimated makespan, in KV tokens, of one launch whose chunks of
+// KV lengths `lens` are cut into `parts` page-aligned parts, `heads` pairs per part run
+// item-fastest in longest-first order over ceil(pairs / rounds) blocks, rounds = ceil(pairs /
+// slots); each pair costs its tokens plus kWavePairTokens.
+int64_t launch_makespan(const std::vector<int64_t>& lens, const std::vector<int64_t>& parts,
+                        int64_t heads, int64_t slots, int64_t page_size) {
+  std::vector<int64_t> cost;
+  for (size_t c = 0; c < lens.size(); ++c) {
+    const int64_t pages = ceildiv(lens[c], page_size);
+    for (int64_t k = 0; k < parts[c]; ++k) {
+      const int64_t begin = floordiv(k * pages, parts[c]) * page_size;
+      const int64_t end = std::min(lens[c], floordiv((k + 1) * pages, parts[c]) * page_size);
+      cost.push_back(end - begin + kWavePairTokens);
+    }
+  }
+  const int64_t items = static_cast<int64_t>(cost.size());
+  const int64_t n = items * heads;
+  if (n == 0) return 0;
+  std::sort(cost.begin(), cost.end(), std::greater<int64_t>());
+  const int64_t rounds = ceildiv(n, std::min(slots, n));
+  const int64_t blocks = ceildiv(n, rounds);
+  std::vector<int64_t> load(blocks, 0);
+  for (int64_t j = 0; j < n; ++j) load[j % blocks] += cost[j % items];
+  return *std::max_element(load.begin(), load.end());
+}
+
+// packing.fill_waves: for each tile height with split chunks, scale every split chunk's parts
+// by k / rounds (k = 1 .. rounds - 1; at least 1, at most the rule's) and keep the choice with
+// the shortest launch_makespan (ties: fewer parts).
+void fill_waves(const PlanParams& p, const std::vector<int64_t>& height,
+                const std::vector<int64_t>& len, std::vector<int64_t>& parts) {
+  using wide = __int128;
+  const int64_t n_chunks = static_cast<int64_t>(parts.size());
+  for (int64_t h = 0; h < static_cast<int64_t>(p.m_sizes.size()); ++h) {
+    std::vector<int64_t> member;
+    bool split = false;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      if (height[c] != h) continue;
+      member.push_back(c);
+      split = split || parts[c] > 1;
+    }
+    if (!split) continue;
+    std::vector<int64_t> lens, pp;
+    int64_t total = 0;
+    for (int64_t c : member) {
+      lens.push_back(len[c]);
+      pp.push_back(parts[c]);
+      total += parts[c];
+    }
+    const int64_t n = p.num_kv_heads * total;
+    const wide slots_w = static_cast<wide>(p.split_target) * pairs_per_sm(p.m_sizes[h], p.head_dim);
+    if (slots_w >= n) continue;  // one round already
+    const int64_t s = static_cast<int64_t>(slots_w);
+    std::vector<int64_t> best = pp;
+    int64_t best_cost = launch_makespan(lens, pp, p.num_kv_heads, s, p.page_size);
+    int64_t best_sum = total;
+    for (int64_t k = 1; k < ceildiv(n, s); ++k) {
+      std::vector<int64_t> cand(pp.size());
+      int64_t sum = 0;
+      for (size_t i = 0; i < pp.size(); ++i) {
+        cand[i] = pp[i] > 1 ? std::clamp<int64_t>(pp[i] * k * s / n, 1, pp[i]) : pp[i];
+        sum += cand[i];
+      }
+      const int64_t cost = launch_makespan(lens, cand, p.num_kv_heads, s, p.page_size);
+      if (cost < best_cost || (cost == best_cost && sum < best_sum)) {
+        best = cand;
+        best_cost = cost;
+        best_sum = sum;
+      }
+    }
+    for (size_t i = 0; i < member.size(); ++i) parts[member[i]] = best[i];
+  }
+}
+
 // Step 3: long-KV split into equal page-aligned parts; each part's visible slots. With a split
 // target, only chunks whose KV is more than kSplitSlack times their launch's share per SM (the
 // KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into parts
-// no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens.
+// no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens; with
+// split_waves, fill_waves may then cut them into fewer.
 void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots,
                  const Chunks& chunks, int64_t g, double split_len, Parts& parts) {
   const int64_t ps = p.page_size;
@@ -628,13 +706,25 @@ void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots
       launch_len[tiles.height_of(chunks.slots(c) * g, chunks.len(c))] += chunks.len(c);
     }
   }
+  std::vector<int64_t> chunk_parts(n_chunks);
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    chunk_parts[c] = num_parts(p, tiles, chunks, c, g, split_len, launch_len);
+  }
+  if (p.split_kv && p.split_target > 0 && p.split_waves) {
+    std::vector<int64_t> height(n_chunks), len(n_chunks);
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      len[c] = chunks.len(c);
+      height[c] = tiles.height_of(chunks.slots(c) * g, len[c]);
+    }
+    fill_waves(p, height, len, chunk_parts);
+  }
   for (auto* v : {&parts.chunk, &parts.begin, &parts.end, &parts.num_slots, &parts.pair_first}) {
     v->reserve(2 * static_cast<size_t>(n_chunks) + 1);
   }
   parts.pair_slot.reserve(2 * static_cast<size_t>(slots.size()));
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t pages = ceildiv(chunks.len(c), ps);
-    const int64_t n = num_parts(p, tiles, chunks, c, g, split_len, launch_len);
+    const int64_t n = chunk_parts[c];
     for (int64_t k = 0; k < n; ++k) {
       const int64_t begin = chunks.begin[c] + floordiv(k * pages, n) * ps;
       int64_t end = std::min(chunks.end[c], chunks.begin[c] + floordiv((k + 1) * pages, n) * ps);

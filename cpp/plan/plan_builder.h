@@ -67,6 +67,9 @@ struct PlanParams {
   // its tile height / split_target), into parts of at most half that share and at least 256
   // tokens. 0 splits every long item.
   int64_t split_target = 0;
+  // With split_target > 0: cut the split chunks of each tile height into fewer parts where the
+  // launch's estimated makespan is shorter (packing.fill_waves).
+  bool split_waves = false;
   // > 0: after packing, let the leaf launch finish the merged tokens it can
   // (packer.finish_in_leaf with leaf_warps = finish_leaf_warps: the items of 16-row tiles are the
   // leaf items; PlanResult::num_finished); 0: no finishing.

@@ -112,7 +112,7 @@ ABLATIONS: dict[str, Variant] = {
     "one_tile": Variant(tiles="one_tile"),
     # each item keeps its own tile height in one-wave plans
     "per_height": Variant(plan={"one_launch_in_one_wave": False}),
-    # split chunks cut into fewer parts where that fills whole waves (Python packer)
+    # split chunks cut into fewer parts where that fills whole waves
     "waves": Variant(plan={"split_waves": True}),
     # one KV head per (item, KV head) pair of the 16-row kernel
     "unpacked_heads": Variant(plan={"pack_heads": False}),

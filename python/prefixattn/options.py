@@ -89,9 +89,9 @@ class PlanOptions(_Checked):
     split_waves: bool = False
     """With a split target, cut the split row chunks of each launch into fewer parts where
     the launch's estimated makespan is shorter (whole waves of the SMs instead of a last,
-    partly filled round; ``prefixattn.plan.packing.fill_waves``). Plans are built by the
-    Python packer then (the compiled planner has no such rule). Off by default: not yet
-    measured against the kernels (docs/dev/serving.md, part 6)."""
+    partly filled round; ``prefixattn.plan.packing.fill_waves``, the same in the compiled
+    planner). Off by default: not yet measured against the kernels (docs/dev/serving.md,
+    part 6)."""
 
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
     """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than

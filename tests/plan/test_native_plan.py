@@ -47,6 +47,7 @@ def _python(
     split_kv,
     split_target=0,
     skip_idle=True,
+    split_waves=False,
 ):
     lens = np.asarray(seq_lens).astype(np.int64)
     indptr = np.asarray(qo_indptr).astype(np.int64)
@@ -54,8 +55,11 @@ def _python(
     forest = build_forest(block_table, forest_lens, page_size)
     return (
         forest,
-        *pack(forest, block_table, lens, indptr, shape, table, packing, split_kv, split_target),
-    )
+        *pack(
+            forest, block_table, lens, indptr, shape, table, packing, split_kv, split_target,
+            split_waves=split_waves,
+        ),
+    )  # fmt: skip
 
 
 def _assert_same(expected, actual) -> None:
@@ -85,6 +89,7 @@ def _compare(
     split_kv: bool,
     skip_idle: bool = True,
     split_target: int = 132,
+    split_waves: bool = False,
 ) -> None:
     shape = BatchShape(heads[0], heads[1], head_dim, elem_bytes)
     table = tile_table(head_dim)
@@ -99,8 +104,9 @@ def _compare(
         split_kv,
         split_target,
     )
-    expected = _python(*args, skip_idle=skip_idle)
-    _assert_same(expected, build_plan_native(*args, forest_skips_idle=skip_idle))
+    expected = _python(*args, skip_idle=skip_idle, split_waves=split_waves)
+    actual = build_plan_native(*args, forest_skips_idle=skip_idle, split_waves=split_waves)
+    _assert_same(expected, actual)
 
 
 @settings(max_examples=300, deadline=None)
@@ -112,6 +118,7 @@ def _compare(
     st.sampled_from(PACKINGS),
     st.booleans(),
     st.sampled_from([0, 1, 4, 9, 16, 132]),
+    st.booleans(),
 )
 def test_random_batches(
     batch: Batch,
@@ -121,8 +128,12 @@ def test_random_batches(
     packing: str,
     split_kv: bool,
     split_target: int,
+    split_waves: bool,
 ) -> None:
-    _compare(batch, heads, head_dim, elem_bytes, packing, split_kv, split_target=split_target)
+    _compare(
+        batch, heads, head_dim, elem_bytes, packing, split_kv, split_target=split_target,
+        split_waves=split_waves,
+    )  # fmt: skip
 
 
 @settings(max_examples=150, deadline=None)
@@ -133,6 +144,7 @@ def test_random_batches(
     st.booleans(),
     st.booleans(),
     st.sampled_from([0, 8, 64, 132]),
+    st.booleans(),
 )
 def test_larger_batches_and_long_queries(
     batch: Batch,
@@ -141,10 +153,12 @@ def test_larger_batches_and_long_queries(
     split_kv: bool,
     skip_idle: bool,
     split_target: int,
+    split_waves: bool,
 ) -> None:
     _compare(
-        batch, heads, 128, 2, packing, split_kv, skip_idle=skip_idle, split_target=split_target
-    )
+        batch, heads, 128, 2, packing, split_kv, skip_idle=skip_idle, split_target=split_target,
+        split_waves=split_waves,
+    )  # fmt: skip
 
 
 @settings(max_examples=100, deadline=None)
@@ -167,9 +181,13 @@ def test_pat_trees(spec: str, page_size: int) -> None:
     b = len(seq_lens)
     decode = np.arange(b + 1, dtype=np.int32)
     for packing in PACKINGS:
-        for split_kv, target in ((True, 132), (True, 0), (True, 1000), (False, 132)):
+        for split_kv, target in ((True, 132), (True, 0), (True, 1000), (False, 132), (True, 16)):
             batch = Batch(block_table, seq_lens, decode, page_size, int(block_table.max()) + 1)
-            _compare(batch, (32, 8), 128, 2, packing, split_kv, split_target=target)
+            for waves in (False, True):
+                _compare(
+                    batch, (32, 8), 128, 2, packing, split_kv, split_target=target,
+                    split_waves=waves,
+                )  # fmt: skip
     # Some idle requests and some with several new tokens.
     qo = np.arange(b) % 3
     batch = Batch(
@@ -447,3 +465,31 @@ def test_finishing_in_the_op_matches_finish_in_leaf(
     nat = build_plan_native(*args, finish_leaf_warps=leaf_warps)
     assert nat[4].pop("num_finished") == count
     _assert_same((forest, host, tiles, tile_indptr, acc), nat)
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize(
+    ("spec", "target"),
+    [("1,256_4096,120", 132), ("1,128_1024,8", 66), ("1,64_4096,120", 132), ("1,32_1024,8", 24)],
+)
+def test_split_waves_natively(spec: str, target: int, page_size: int) -> None:
+    # Batches where split_waves changes the plan: the op cuts the same parts as the packer.
+    block_table, seq_lens = tree_batch(spec, page_size)
+    decode = np.arange(len(seq_lens) + 1, dtype=np.int32)
+    batch = Batch(block_table, seq_lens, decode, page_size, int(block_table.max()) + 1)
+    shape = BatchShape(32, 8, 128, 2)
+    args = (
+        block_table,
+        seq_lens,
+        decode,
+        page_size,
+        shape,
+        tile_table(128),
+        "memory",
+        True,
+        target,
+    )
+    plain = build_plan_native(*args)
+    waves = build_plan_native(*args, split_waves=True)
+    assert len(waves[1].kv_len) < len(plain[1].kv_len)
+    _compare(batch, (32, 8), 128, 2, "memory", True, split_target=target, split_waves=True)

@@ -120,6 +120,7 @@ def build_plan_native(
     forest_skips_idle: bool = True,
     reuse_forest: bool = False,
     finish_leaf_warps: int = 0,
+    split_waves: bool = False,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
 
@@ -170,6 +171,7 @@ def build_plan_native(
         int(table.wide_kv_len),
         bool(reuse_forest),
         int(finish_leaf_warps),
+        bool(split_waves),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()

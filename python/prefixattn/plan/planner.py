@@ -200,13 +200,11 @@ def build_host_plan(
     exceeds it (None: no limit). ``page_ids``: ``table`` holds page ids (the pages read are
     checked, the largest is reported); False: positions in a device table, valid by
     construction (``max_page_id`` -1). The other switches are those of
-    :class:`prefixattn.PlanOptions`; ``split_waves`` plans with the Python packer (the
-    compiled planner does not have that rule).
+    :class:`prefixattn.PlanOptions`.
     """
     check_plan_size(lens, indptr, page_size, shape.group_size, tiles, max_bytes)
     num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
     target = split_target
-    native = native and not split_waves
 
     # The forest is built once per call: the Python planner keeps it here, the compiled one
     # in the op's per-thread state (reuse_forest for every build after the first).
@@ -221,6 +219,7 @@ def build_host_plan(
             built = build_plan_native(
                 table, lens, indptr, page_size, shape, table_of_tiles, packing, split_kv,
                 target, reuse_forest=bool(forests), finish_leaf_warps=leaf_warps,
+                split_waves=split_waves,
             )  # fmt: skip
             forests.append(built[0])
             return built
