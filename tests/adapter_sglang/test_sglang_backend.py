@@ -316,6 +316,10 @@ def test_step_options(monkeypatch: pytest.MonkeyPatch):
     step.configure(hinted_plans=False)
     options = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4)).planner.options
     assert options == StepOptions(hinted_plans=False)
+    # Kernel-side options of the cores, the same way.
+    step.configure(core_options={"split_waves": True})
+    backend = PrefixAttnBackend(_runner(1, 8, 2, 64, max_reqs=4))
+    assert backend.planner.eager_attention.split_waves is True
 
 
 def test_cuda_without_kernels_is_refused(monkeypatch: pytest.MonkeyPatch):

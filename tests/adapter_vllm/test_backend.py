@@ -251,6 +251,18 @@ def _options(monkeypatch: pytest.MonkeyPatch, config: VllmConfig, **options: obj
     monkeypatch.setattr(config, "additional_config", {vllm_backend.OPTIONS_KEY: options})
 
 
+def test_core_options_from_additional_config(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernel-side options reach the cores: ``{"prefixattn": {"core_options": {...}}}``."""
+    _options(monkeypatch, vllm_config, core_options={"split_waves": True})
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    assert builder.planner.eager_attention.split_waves is True
+    _options(monkeypatch, vllm_config, core_options={"no_such_option": 1})
+    with pytest.raises(AttributeError, match="no_such_option"):
+        PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+
+
 def test_plans_follow_the_sharing_seen(
     vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

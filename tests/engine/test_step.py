@@ -245,6 +245,36 @@ def test_options_are_checked_when_set() -> None:
     assert options == StepOptions()  # updated() copies
 
 
+def test_core_options_reach_every_core() -> None:
+    planner = _planner(core_options={"split_waves": True, "prefetch_tiles": 2})
+    assert planner.eager_attention.split_waves is True
+    assert planner.eager_attention.prefetch_tiles == 2
+    planner.reserve_graphs(4, 4, 64)
+    graph = planner.attention_for(graph=True)
+    assert graph.split_waves is True and graph is not planner.eager_attention
+    # The defaults where none are given; the cores' own option objects are not shared.
+    plain = _planner()
+    assert plain.eager_attention.split_waves is False
+    assert plain.eager_attention.plan_options is not planner.eager_attention.plan_options
+
+
+def test_core_options_are_checked_and_copied() -> None:
+    with pytest.raises(AttributeError, match="'split' is no PlanOptions or LaunchOptions field"):
+        StepOptions(core_options={"split": True})
+    with pytest.raises(TypeError, match="split_waves"):
+        StepOptions(core_options={"split_waves": 1})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        StepOptions(core_options=["split_waves"])  # type: ignore[arg-type]
+    given = {"chain_launches": False}
+    options = StepOptions(core_options=given)
+    given["chain_launches"] = True  # the options keep their own copy
+    assert options.core_options == {"chain_launches": False}
+    with pytest.raises(TypeError):
+        options.core_options["chain_launches"] = True  # type: ignore[index]
+    assert options.updated({"core_options": {}}).core_options == {}
+    assert StepOptions() == StepOptions(core_options={})
+
+
 def test_configure_sets_the_defaults_of_later_planners(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step, "_defaults", StepOptions())
     before = StepPlanner(_attention, PAGE)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -36,6 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from ..attention import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
+from ..options import LAUNCH_OPTIONS, PLAN_OPTIONS, LaunchOptions, PlanOptions
 from ..plan.types import LaunchPlan
 from ..runtime import library
 from .sharing import SharingProbe, TableHint
@@ -67,6 +69,25 @@ def _check_slots(name: str, value: Any) -> None:
         raise ValueError(f"StepOptions.{name} must be in [1, {2**20}], got {value}")
 
 
+def _check_core(name: str, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"StepOptions.{name} must be a mapping of PlanOptions / LaunchOptions fields, "
+            f"got {value!r}"
+        )
+    plan, launch = PlanOptions(), LaunchOptions()
+    for key, v in value.items():
+        if key in PLAN_OPTIONS:
+            setattr(plan, key, v)  # checked there: a wrong value raises with its reason
+        elif key in LAUNCH_OPTIONS:
+            setattr(launch, key, v)
+        else:
+            raise AttributeError(
+                f"StepOptions.{name}: {key!r} is no PlanOptions or LaunchOptions field; fields: "
+                + ", ".join(PLAN_OPTIONS + LAUNCH_OPTIONS)
+            )
+
+
 @dataclasses.dataclass(eq=True, repr=True)
 class StepOptions:
     """How :class:`StepPlanner` plans steps; every field is checked when it is set."""
@@ -85,10 +106,18 @@ class StepOptions:
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
     core's :func:`~prefixattn.decode_slots_per_token` for the engine's context length."""
 
+    core_options: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    """Kernel-side options of the cores the planner creates: names and values of
+    :class:`~prefixattn.PlanOptions` and :class:`~prefixattn.LaunchOptions` fields, e.g.
+    ``{"split_waves": True}``; each checked when set; empty: the cores' defaults."""
+
     _CHECKS: ClassVar[dict[str, Callable[[str, Any], None]]] = {
         "unshared_plans": _check_bool,
         "hinted_plans": _check_bool,
         "graph_slots_per_token": _check_slots,
+        "core_options": _check_core,
     }
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -98,6 +127,8 @@ class StepOptions:
                 f"StepOptions has no option {name!r}; options: " + ", ".join(self._CHECKS)
             )
         check(name, value)
+        if name == "core_options":  # a read-only copy: options objects never share it
+            value = MappingProxyType(dict(value))
         object.__setattr__(self, name, value)
 
     def updated(self, changes: Mapping[str, Any]) -> StepOptions:
@@ -235,8 +266,15 @@ class StepPlanner:
         """Plans every step that is not replayed from a captured graph (created on first
         use)."""
         if self._eager is None:
-            self._eager = self._new_attention()
+            self._eager = self._new_core()
         return self._eager
+
+    def _new_core(self) -> PrefixAttention:
+        """A core from the engine's factory, with :attr:`StepOptions.core_options` set."""
+        core = self._new_attention()
+        for name, value in self.options.core_options.items():
+            setattr(core, name, value)
+        return core
 
     def attention_for(self, graph: bool) -> PrefixAttention:
         """The object that plans a step: :attr:`graph_attention` for a step that may be
@@ -263,7 +301,7 @@ class StepPlanner:
         to ``max_context_len`` (:func:`~prefixattn.decode_reservation`); with hinted plans on,
         the fallback's buffers too, so captured graphs launch it. Returns the sizes."""
         if self.graph_attention is None:
-            self.graph_attention = self._new_attention()
+            self.graph_attention = self._new_core()
         sizes = decode_reservation(
             max_requests,
             max_tokens,
