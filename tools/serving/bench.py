@@ -13,6 +13,10 @@ Backends (``--backends``, default all of the engine's):
   (``tools/sglang/noattn.py``, ``noattn``, reaching the scheduler through a plugin entry point
   put on the bound engine's ``PYTHONPATH`` only).
 
+``prefixattn`` may carry core options after ``+`` (``prefixattn+split_waves``;
+``tools/variants.py``): vLLM takes them in ``additional_config``, SGLang's scheduler from a
+plugin (``tools/sglang/core_options.py``).
+
 Each backend runs in its own process group (``tools/proc_group.py``) with a share of
 ``--budget`` seconds, the bound first; a worker writes its results after every timed run, so a
 timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
@@ -54,6 +58,7 @@ from typing import Any
 from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
+from tools.variants import parse_variant
 
 BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
@@ -99,7 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     known = BACKENDS[args.engine]
     args.backends = args.backends or list(known)
-    bad = [b for b in args.backends if b not in known]
+    bad = []
+    for b in args.backends:
+        try:
+            base, _ = parse_variant(b, ours="prefixattn")
+        except (ValueError, TypeError, AttributeError) as e:
+            ap.error(str(e))
+        if base not in known:
+            bad.append(b)
     if bad:
         ap.error(f"unknown backend(s) for {args.engine}: {' '.join(bad)} "
                  f"(choose from {' '.join(known)})")  # fmt: skip
@@ -145,6 +157,12 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         from tools.sglang.noattn import plugin_env
 
         full = plugin_env(scratch / "noattn-plugin")
+        return {k: v for k, v in full.items() if os.environ.get(k) != v}
+    _, core_options = parse_variant(backend)
+    if core_options:  # the scheduler's, through a plugin (tools/sglang/core_options.py)
+        from tools.sglang.core_options import plugin_env as core_env
+
+        full = core_env(scratch / "core-options", core_options)
         return {k: v for k, v in full.items() if os.environ.get(k) != v}
     return {}
 

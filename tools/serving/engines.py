@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tools.serving.workloads import Request, Workload, build, resolve_prompts
+from tools.variants import parse_variant
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -227,7 +228,8 @@ class VllmDriver(Driver):
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``AsyncLLM`` online (engine core forked)."""
 
     def __init__(self, backend: str, args: Any) -> None:
-        attention = {"prefixattn": "CUSTOM", "bound": "NOATTN"}.get(backend, backend)
+        base, core_options = parse_variant(backend, ours="prefixattn")
+        attention = {"prefixattn": "CUSTOM", "bound": "NOATTN"}.get(base, base)
         if backend == "bound":
             from tools.vllm.noattn import register
 
@@ -238,6 +240,8 @@ class VllmDriver(Driver):
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=True, seed=0,
         )  # fmt: skip
+        if core_options:
+            kwargs["additional_config"] = {"prefixattn": {"core_options": core_options}}
         if args.capture_sizes != "default":
             sizes = [int(x) for x in args.capture_sizes.split(",")]
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
@@ -319,7 +323,8 @@ class SglangDriver(Driver):
     ``async_generate(stream=True)`` on the engine's own event loop."""
 
     def __init__(self, backend: str, args: Any) -> None:
-        attention = {"bound": "noattn"}.get(backend, backend)
+        base, _ = parse_variant(backend)  # the scheduler's options come from its plugin
+        attention = {"bound": "noattn"}.get(base, base)
         if backend == "bound":
             from tools.sglang.noattn import register
 

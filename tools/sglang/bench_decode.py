@@ -29,7 +29,10 @@ and summarised, so the JSON shows that every timed step ran all B requests in a 
 
 ``--backends`` may also name ``noattn``, the attention-free bound (``tools/sglang/noattn.py``:
 triton's metadata path, no KV reads or writes, no attention math; registered in that engine's
-processes only); the results then give each backend's step as a percent of the bound's.
+processes only); the results then give each backend's step as a percent of the bound's. A
+backend name may carry core options after ``+`` (``prefixattn+split_waves``;
+``tools/variants.py``), set in that engine's processes by a plugin
+(``tools/sglang/core_options.py``).
 
 ``--profile DIR`` also records one more generation per workload with SGLang's torch profiler
 (outside the timed runs) and adds each trace's summary (GPU idle time, its longest gaps, the
@@ -57,6 +60,7 @@ from tools.proc_group import run_in_group
 from tools.serving.workloads import distinct_tokens
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
+from tools.variants import parse_variant
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -107,10 +111,11 @@ def bench_backend(
         from tools.sglang.noattn import register
 
         register()
+    base, _ = parse_variant(backend)  # the options reach the scheduler through its plugin
     t0 = time.time()
     llm = sgl.Engine(
         model_path=model, load_format="dummy", skip_tokenizer_init=True,
-        attention_backend=backend, mem_fraction_static=0.8, context_length=8192,
+        attention_backend=base, mem_fraction_static=0.8, context_length=8192,
         max_running_requests=args.batch, cuda_graph_bs_decode=[args.batch],
         disable_prefill_cuda_graph=True, random_seed=0, log_level="info",
         decode_log_interval=8,
@@ -191,10 +196,15 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
            "--steps", str(args.steps), "--repeat", str(args.repeat), "--workloads", *args.workloads,
            *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
     env = None
+    _, core_options = parse_variant(backend)
     if backend == BOUND:  # registered in the engine's processes only (SGLang plugin)
         from tools.sglang.noattn import plugin_env
 
         env = plugin_env(out / "noattn-plugin")
+    elif core_options:  # set in the engine's processes only (SGLang plugin)
+        from tools.sglang.core_options import plugin_env as core_env
+
+        env = core_env(out / f"core-options-{backend}", core_options)
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log, env=env)
     wall = round(time.monotonic() - t0, 1)
@@ -231,6 +241,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.workloads:
         workload(spec, 1)  # validate before starting any engine
+    for b in args.backends:
+        try:
+            parse_variant(b, ours="prefixattn")
+        except (ValueError, TypeError, AttributeError) as e:
+            ap.error(str(e))
     if args.one:
         path = args.out / f"bench_decode_{args.one}.json"
         data = bench_backend(args.model, args.one, args, lambda d: write_atomic(path, d))

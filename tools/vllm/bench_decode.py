@@ -16,7 +16,9 @@ Workloads, each B requests (``--batches``, up to 256) of token-id prompts:
 ``--backends`` may also name ``NOATTN``, the attention-free bound (``tools/vllm/noattn.py``:
 FLASH_ATTN's metadata path, no KV reads or writes, no attention math). Its backend is
 registered in the worker process, so with it in the run every backend's engine core runs in
-its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike.
+its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike. A backend name may carry
+core options after ``+`` (``CUSTOM+split_waves``; ``tools/variants.py``), passed as
+``additional_config={"prefixattn": {"core_options": ...}}``.
 
 Prefix caching is on (vLLM's default), so a shared prefix is stored once. Decode step time, per
 workload: one generation with ``max_tokens=1`` stores every prompt in the prefix cache; then
@@ -55,6 +57,7 @@ from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
+from tools.variants import parse_variant
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
 BOUND = "NOATTN"
@@ -141,13 +144,15 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.profile:
         profiler = {"profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
                     "torch_profiler_dir": str(Path(args.profile).resolve() / args.worker)}  # fmt: skip
+    backend, core_options = parse_variant(args.worker)
+    extra = {"additional_config": {"prefixattn": {"core_options": core_options}}}
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model, load_format="dummy", skip_tokenizer_init=True,
-        attention_backend=args.worker, gpu_memory_utilization=args.gpu_mem,
+        attention_backend=backend, gpu_memory_utilization=args.gpu_mem,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
         enable_prefix_caching=True, seed=0, compilation_config=compilation or None,
-        profiler_config=profiler,
+        profiler_config=profiler, **(extra if core_options else {}),
     )  # fmt: skip
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
     out["info"] = llm.collective_rpc(worker_info)[0]
@@ -221,6 +226,11 @@ def main() -> int:
         run_worker(args)
         return 0
 
+    for b in args.backends:
+        try:
+            parse_variant(b, ours="CUSTOM")
+        except (ValueError, TypeError, AttributeError) as e:
+            ap.error(str(e))
     # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget

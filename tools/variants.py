@@ -1,0 +1,42 @@
+"""Backend variants of the benchmarks: a backend name with core options after ``+``.
+
+``prefixattn+split_waves`` is SGLang's ``prefixattn`` backend whose cores take
+``PlanOptions.split_waves = True``; ``CUSTOM+split_target=66+chain_launches=false`` is vLLM's,
+with two options. A value is JSON (``true``, ``66``); an option alone means ``true``. The
+options are :attr:`prefixattn.engine.step.StepOptions.core_options`, checked when parsed. vLLM
+engines take them as ``additional_config={"prefixattn": {"core_options": ...}}``; SGLang
+schedulers from a plugin (:func:`tools.sglang.core_options.plugin_env`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def parse_variant(name: str, ours: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(backend, core_options)`` of a benchmark backend name; with ``ours`` (prefixattn's
+    backend name in the engine), options on any other backend raise.
+
+    Worked example: ``"CUSTOM+split_target=66+split_waves"`` -> ``("CUSTOM", {"split_target":
+    66, "split_waves": True})``; ``"FLASH_ATTN"`` -> ``("FLASH_ATTN", {})``.
+    """
+    base, *parts = name.split("+")
+    if not base:
+        raise ValueError(f"backend variant {name!r}: no backend before '+'")
+    if parts and ours is not None and base != ours:
+        raise ValueError(f"backend variant {name!r}: core options apply to {ours} only")
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        if not key:
+            raise ValueError(f"backend variant {name!r}: an empty option")
+        try:
+            options[key] = json.loads(raw) if sep else True
+        except json.JSONDecodeError as e:
+            raise ValueError(f"backend variant {name!r}: {key}={raw!r} is not JSON") from e
+    if options:
+        from prefixattn.engine.step import StepOptions
+
+        StepOptions(core_options=options)  # unknown names and wrong values raise here
+    return base, options
