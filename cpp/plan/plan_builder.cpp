@@ -35,6 +35,8 @@ constexpr int64_t kMinSplitTokens = 256;
 constexpr int64_t kSplitSlack = 2;
 // packing.py WAVE_PAIR_TOKENS: what a pair costs beside its KV tokens in split_waves' estimate.
 constexpr int64_t kWavePairTokens = 256;
+// packing.py WAVE_MAX_ROUNDS: split_waves looks only at launches of at most this many rounds.
+constexpr int64_t kWaveMaxRounds = 8;
 // Pairs per SM the split rule assumes for a tile height: the leaf kernel (16-row tiles at
 // head_dim <= 128) runs 8 at once (2 blocks of 4 warps, a pair per warp); core/packer.py
 // (pairs_per_sm) is the same rule.
@@ -643,9 +645,10 @@ int64_t launch_makespan(const std::vector<int64_t>& lens, const std::vector<int6
   return *std::max_element(load.begin(), load.end());
 }
 
-// packing.fill_waves: for each tile height with split chunks, scale every split chunk's parts
-// by k / rounds (k = 1 .. rounds - 1; at least 1, at most the rule's) and keep the choice with
-// the shortest launch_makespan (ties: fewer parts).
+// packing.fill_waves: for each tile height with split chunks whose launch takes 2 to
+// kWaveMaxRounds rounds, scale every split chunk's parts by k x slots / pairs (k = 1 .. rounds -
+// 1: k full rounds; at least 1, at most the rule's) and keep the choice with the shortest
+// launch_makespan (ties: fewer parts).
 void fill_waves(const PlanParams& p, const std::vector<int64_t>& height,
                 const std::vector<int64_t>& len, std::vector<int64_t>& parts) {
   using wide = __int128;
@@ -670,10 +673,12 @@ void fill_waves(const PlanParams& p, const std::vector<int64_t>& height,
     const wide slots_w = static_cast<wide>(p.split_target) * pairs_per_sm(p.m_sizes[h], p.head_dim);
     if (slots_w >= n) continue;  // one round already
     const int64_t s = static_cast<int64_t>(slots_w);
+    const int64_t rounds = ceildiv(n, s);
+    if (rounds > kWaveMaxRounds) continue;
     std::vector<int64_t> best = pp;
     int64_t best_cost = launch_makespan(lens, pp, p.num_kv_heads, s, p.page_size);
     int64_t best_sum = total;
-    for (int64_t k = 1; k < ceildiv(n, s); ++k) {
+    for (int64_t k = 1; k < rounds; ++k) {
       std::vector<int64_t> cand(pp.size());
       int64_t sum = 0;
       for (size_t i = 0; i < pp.size(); ++i) {

@@ -203,8 +203,8 @@ def test_split_target_cuts_only_chunks_that_leave_sms_idle() -> None:
 
 
 def test_split_waves_fills_whole_waves() -> None:
-    # The plan above: 5 parts per root chunk, 320 pairs in 3 rounds (the last two thirds
-    # full). With split_waves each chunk gets 2 parts of 2048 tokens: 128 pairs, one round.
+    # The plan above: 5 parts per root chunk, 320 pairs in 3 rounds of 107 blocks. With
+    # split_waves each chunk gets 2 parts of 2048 tokens: 128 pairs, one round.
     table, lens = tree_batch("1,256_4096,32", 16)
     pa = PrefixAttention(32, 8, 128, 16)
     pa.split_target = 132

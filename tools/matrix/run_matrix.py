@@ -108,9 +108,9 @@ WORKLOADS = {
     "leave (custom engine: staggered arrival steps)",
     "multiturn": "4 conversations of 3 turns, each turn's prompt the previous one plus an answer "
     "and a new message (turns 1-2 cached first), all turns at once",
-    "longprompt": "4 private prompts of 2500-3000 tokens, 8 new tokens each",
-    "lowload": "6 requests (4 under a 600-token prefix), one running at a time: decode batches "
-    "of one",
+    "longprompt": "private prompts of 2500-3000 tokens, 8 new tokens each",
+    "lowload": "4 under a 600-token prefix and 2 private, one running at a time: decode "
+    "batches of one",
 }
 # Engine settings a workload needs: ``max_seqs`` (running requests), ``chunk`` (prefill chunk).
 WORKLOAD_KNOBS: dict[str, dict[str, int]] = {

@@ -67,6 +67,9 @@ SPLIT_SLACK = 2
 # launch: about four 64-key tiles, the time a `wgmma` block takes from a pair's start to its
 # first tile (docs/dev/log.md, v62).
 WAVE_PAIR_TOKENS = 256
+# split_waves looks only at launches of at most this many rounds: beyond, a partly filled last
+# round costs at most 1 / WAVE_MAX_ROUNDS of the launch, and the estimates stay few.
+WAVE_MAX_ROUNDS = 8
 # A merged token the leaf launch finishes has at most this many other partial rows (its q_out
 # holds the count in 4 bits; see finish_in_leaf).
 MAX_FINISH_OTHERS = FINISH_RADIX - 1
@@ -300,10 +303,11 @@ def fill_waves(
     page_size: int,
 ) -> np.ndarray:
     """The split rule's ``parts`` per row chunk, with fewer parts where that fills the SMs'
-    waves better: for each tile height with split chunks, every split chunk's parts are
-    scaled by k / rounds (k = 1 .. rounds - 1, at least 1 part, at most the rule's) and the
-    choice with the shortest :func:`launch_makespan` is kept (ties: fewer parts). ``slots``:
-    pairs the GPU runs at once for each chunk's height.
+    waves better: for each tile height with split chunks whose launch takes ``rounds = ceil(
+    pairs / slots)`` of 2 to ``WAVE_MAX_ROUNDS`` rounds, every split chunk's parts are scaled
+    by k x slots / pairs (k = 1 .. rounds - 1: k full rounds; at least 1 part, at most the
+    rule's) and the choice with the shortest :func:`launch_makespan` is kept (ties: fewer
+    parts). ``slots``: pairs the GPU runs at once for each chunk's height.
 
     Worked example: the 128-row launch of a decode step of 256 requests under one
     4096-token prefix at group size 4 (8 row chunks of 4096 tokens, 8 KV heads, 132 SMs):
@@ -316,8 +320,11 @@ def fill_waves(
         p, lens = parts[member], chunk_len[member]
         s = int(slots[member[0]])
         n = heads * int(p.sum())
+        rounds = -(-n // s)
+        if rounds > WAVE_MAX_ROUNDS:
+            continue
         best, best_cost = p, launch_makespan(lens, p, heads, s, page_size)
-        for k in range(1, -(-n // s)):
+        for k in range(1, rounds):
             cand = np.where(p > 1, np.clip(p * k * s // n, 1, p), p)
             cost = launch_makespan(lens, cand, heads, s, page_size)
             if cost < best_cost or (cost == best_cost and cand.sum() < best.sum()):
