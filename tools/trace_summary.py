@@ -10,6 +10,9 @@ the batch's block table to the host, which waits for the work queued before it) 
 - ``gaps``: idle intervals of the GPU longer than ``--gap-us``, their count, total and the
   longest, each with the named prefixattn ranges that overlap it;
 - ``ranges``: count, total and mean of each named range (CPU);
+- ``attention_ms``: the attention kernels' device time (kernels of prefixattn, FlashInfer,
+  FlashAttention and SGLang's Triton attention, by name, ``ATTENTION``) and ``kernels_ms``:
+  the kernels with the most device time (names cut to 80 characters), over the whole trace;
 - ``steps`` (with ``--step-marker NAME``, e.g. ``prefixattn.plan`` or ``cudaGraphLaunch``):
   the intervals between consecutive starts of that CPU event, as steps (``all_ms``: every
   interval's length). Over the steps no
@@ -81,9 +84,21 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) 
             "mean_ms": round(sum(b - a for a, b in iv) / 1e3 / len(iv), 4) if iv else 0.0}
         for n, iv in named.items()
     }  # fmt: skip
+    kernels: dict[str, float] = {}
+    attention = 0.0
+    for e in events:
+        if e.get("cat") == "kernel":
+            name = str(e["name"])
+            kernels[name[:80]] = kernels.get(name[:80], 0.0) + float(e["dur"])
+            if is_attention(name):
+                attention += float(e["dur"])
+    top_kernels = {
+        k: round(v / 1e3, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    }
     if not gpu:
         return {"window_ms": 0.0, "gpu_busy_ms": 0.0, "gpu_idle_ms": 0.0, "gpu_idle_frac": 0.0,
-                "gaps": {"count": 0, "total_ms": 0.0, "longest": []}, "ranges": ranges}  # fmt: skip
+                "gaps": {"count": 0, "total_ms": 0.0, "longest": []}, "ranges": ranges,
+                "attention_ms": 0.0, "kernels_ms": {}}  # fmt: skip
     window = gpu[-1][1] - gpu[0][0]
     busy = sum(b - a for a, b in gpu)
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(gpu) if b[0] - a[1] > gap_us]
@@ -112,6 +127,8 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) 
             ],
         },
         "ranges": ranges,
+        "attention_ms": round(attention / 1e3, 3),
+        "kernels_ms": top_kernels,
     }
 
 

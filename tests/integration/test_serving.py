@@ -235,6 +235,41 @@ def test_worker_saves_each_timed_run() -> None:
     )
 
 
+def test_profile_run_is_one_more_run_under_the_profiler(tmp_path) -> None:
+    (w,) = wl.build("decode", small(decode__requests=2, decode__prefix=8, decode__out=4))
+    calls: list[str] = []
+
+    class Profiled(FakeDriver):
+        def reset_cache(self) -> bool:
+            calls.append("reset")
+            return True
+
+        def start_profile(self, folder, prefix) -> None:
+            calls.append(f"start {folder.name} {prefix}")
+
+        def stop_profile(self) -> None:
+            calls.append("stop")
+
+    driver = Profiled()
+    engines.profile_run(driver, w, tmp_path / "prefixattn")
+    assert calls == ["reset", "start prefixattn decode", "stop"] and driver.prompts
+
+    class Failing(Profiled):
+        def generate(self, prompts, reqs, temperature):
+            raise RuntimeError("engine died")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="engine died"):
+        engines.profile_run(Failing(), w, tmp_path / "x")
+    assert calls[-1] == "stop"  # the profiler is stopped anyway
+    # The option: offline only, and the workers get it.
+    args = bench.parse_args(["--engine", "sglang", "--profile", str(tmp_path / "p")])
+    cmd = bench.worker_cmd(args, "prefixattn", "MODEL", tmp_path / "r.json")
+    assert cmd[cmd.index("--profile") + 1] == str((tmp_path / "p").resolve())
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "sglang", "--mode", "online", "--profile", "p"])
+
+
 def test_sglang_stream_chunks_are_cumulative_per_sample() -> None:
     class Engine:
         async def async_generate(self, input_ids, sampling_params, stream):

@@ -45,6 +45,9 @@ def test_summary_of_a_trace(ts, tmp_path: Path) -> None:
     [gap] = s["gaps"]["longest"]
     assert gap["overlaps_ms"] == {"prefixattn.host_tables": 0.1, "prefixattn.plan": 0.2}
     assert s["ranges"]["prefixattn.plan"] == {"count": 1, "total_ms": 0.2, "mean_ms": 0.2}
+    assert s["attention_ms"] == 0.0 and s["kernels_ms"] == {"fwd": 0.47, "fwd2": 0.3}
+    attn = ts.summarize([*TRACE, _ev("void prefixattn::merge_kernel<bf16>", "kernel", 900, 50)])
+    assert attn["attention_ms"] == 0.05
 
 
 def test_trace_without_gpu_work(ts) -> None:

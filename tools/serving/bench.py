@@ -39,6 +39,12 @@ JSON (``--out``), a Markdown table next to it (``.md``, also printed) and a bar 
     python -m tools.serving.bench --engine vllm --workloads forest decode --reps 3
     python -m tools.serving.bench --engine sglang --mode online --rate 8 --workloads chat
     python -m tools.serving.bench --engine vllm --dry-run   # the plan, no engine imported
+
+``--profile DIR`` (offline): after a workload's timed runs, one more run under the engine's
+torch profiler (traces in ``DIR/BACKEND``, never in the timings), summarised into the JSON
+(``tools/trace_summary.py``: GPU busy and idle time, the longest idle gaps and the host
+ranges in them, the attention kernels' time and the kernels that took the most). Traces of a
+whole run are large: give such runs smaller sizes (``--size forest.requests=128``).
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, help=f"result JSON (default {RESULTS}/serving_ENGINE_MODE.json)"
     )
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="offline: profile one more run of each workload into DIR/BACKEND and "
+                         "summarize the traces")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (backends, workloads, sizes, commands) and exit")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -127,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--reps must be at least 1")
     if args.rate <= 0:
         ap.error("--rate must be positive")
+    if args.profile is not None and args.mode != "offline":
+        ap.error("--profile profiles offline runs; use --mode offline")
     if args.out is None:
         args.out = RESULTS / f"serving_{args.engine}_{args.mode}.json"
     return args
@@ -141,6 +152,7 @@ def worker_cmd(args: argparse.Namespace, backend: str, model: str, result: Path)
         "--reps", str(args.reps), "--seed", str(args.seed),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
+        *(["--profile", str(args.profile.resolve())] if args.profile else []),
     ]  # fmt: skip
 
 
@@ -311,6 +323,10 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
     wall = round(time.monotonic() - t0, 1)
     data: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
     data.update(exit=code, wall_s=wall, log=str(log))
+    if args.profile is not None and (args.profile / backend).exists():
+        from tools.trace_summary import summarize_traces
+
+        data["profile"] = summarize_traces(args.profile / backend)
     data.setdefault("finished", False)
     if code != 0 and not data["finished"]:
         tail = log.read_text(errors="replace").strip().splitlines()[-20:]

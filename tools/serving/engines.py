@@ -23,6 +23,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tools.serving.workloads import Request, Workload, build, resolve_prompts
@@ -145,6 +146,13 @@ class Driver:
         ``index``; returns the first sample's ids."""
         raise NotImplementedError
 
+    def start_profile(self, folder: Path, prefix: str) -> None:
+        """Start the engine's torch profiler; its traces go below ``folder``."""
+        raise NotImplementedError
+
+    def stop_profile(self) -> None:
+        raise NotImplementedError
+
     def reset_cache(self) -> bool:
         raise NotImplementedError
 
@@ -242,6 +250,11 @@ class VllmDriver(Driver):
         )  # fmt: skip
         if core_options:
             kwargs["additional_config"] = {"prefixattn": {"core_options": core_options}}
+        if getattr(args, "profile", None) is not None:  # traces of this backend's runs
+            kwargs["profiler_config"] = {
+                "profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
+                "torch_profiler_dir": str(Path(args.profile) / backend),
+            }  # fmt: skip
         if args.capture_sizes != "default":
             sizes = [int(x) for x in args.capture_sizes.split(",")]
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
@@ -298,6 +311,14 @@ class VllmDriver(Driver):
                 on_tokens(len(o.token_ids), o.index)
             ids += [t for o in out.outputs if o.index == 0 for t in o.token_ids]
         return ids
+
+    def start_profile(self, folder: Path, prefix: str) -> None:
+        # The folder was fixed when the engine started (profiler_config); the prefix names
+        # this trace.
+        self.llm.start_profile(prefix)
+
+    def stop_profile(self) -> None:
+        self.llm.stop_profile()
 
     def reset_cache(self) -> bool:
         if self.online_mode:
@@ -369,6 +390,13 @@ class SglangDriver(Driver):
                 ids = chunk["output_ids"]
         return list(ids)
 
+    def start_profile(self, folder: Path, prefix: str) -> None:
+        self.engine.start_profile(output_dir=str(folder), activities=["CPU", "GPU"],
+                                  with_stack=False, profile_prefix=prefix)  # fmt: skip
+
+    def stop_profile(self) -> None:
+        self.engine.stop_profile()
+
     def reset_cache(self) -> bool:
         out = self.engine.flush_cache()
         return bool(getattr(out, "success", out))
@@ -409,6 +437,17 @@ def measure(
     return summary
 
 
+def profile_run(driver: Driver, w: Workload, folder: Path) -> None:
+    """One more offline run of ``w`` after a prefix-cache reset, under the engine's profiler
+    (traces below ``folder``, named after the workload); the profiler stops on any error."""
+    driver.reset_cache()
+    driver.start_profile(folder, w.name)
+    try:
+        driver.offline(w)
+    finally:
+        driver.stop_profile()
+
+
 def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
     """The worker of ``tools.serving.bench``: start the engine with ``args.worker`` and
     measure every workload, calling ``save(result)`` after each (and after each of its timed
@@ -437,6 +476,8 @@ def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
 
                 result["workloads"][w.name] = measure(driver, w, args, progress)
                 save(result)
+                if getattr(args, "profile", None) is not None:  # never in the timings above
+                    profile_run(driver, w, Path(args.profile) / args.worker)
         result["finished"] = True
         save(result)
     finally:
