@@ -138,16 +138,22 @@ def test_requests_without_new_tokens_are_skipped() -> None:
     assert _relative_error(out, ref) < 1e-5
 
 
+def _decode_inputs(table: np.ndarray, lens: np.ndarray, hq: int, hkv: int, d: int):
+    """float64 K and V caches (page size 16) for ``table`` and one decode query per request."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
+    q = torch.randn(len(lens), hq, d, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
 @pytest.mark.parametrize("spec", ["1,256_256,32", "1,4,256_32,256,32"])
 def test_finished_tokens_give_the_same_output(spec: str) -> None:
     # Plans whose leaf items finish merged tokens (q_out = -2 - i) and plans that merge every
     # token run the same attention.
     table, lens = tree_batch(spec, page_size=16)
-    gen = torch.Generator().manual_seed(0)
     hq, hkv, d = 32, 8, 128
-    k = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
-    q = torch.randn(len(lens), hq, d, generator=gen, dtype=torch.float64)
+    q, k, v = _decode_inputs(table, lens, hq, hkv, d)
     pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
     pa.split_target = 132
     pa.plan(table, lens)
@@ -191,11 +197,8 @@ def test_split_waves_changes_the_plan_not_the_output() -> None:
     # the root's 4 row chunks into 4 parts (128 pairs, 2 rounds); split_waves into 2 (64
     # pairs, one round).
     table, lens = tree_batch("1,128_1024,8", page_size=16)
-    gen = torch.Generator().manual_seed(0)
     hq, hkv, d = 32, 8, 64
-    k = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(int(table.max()) + 1, 16, hkv, d, generator=gen, dtype=torch.float64)
-    q = torch.randn(len(lens), hq, d, generator=gen, dtype=torch.float64)
+    q, k, v = _decode_inputs(table, lens, hq, hkv, d)
     pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
     pa.split_target = 66
     rule = pa.plan(table, lens)

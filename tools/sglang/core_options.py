@@ -11,11 +11,10 @@ process) and returns the environment that puts it on ``sys.path``. Benchmark-onl
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from tools.sglang.noattn import REPO_ROOT
+from tools.sglang.noattn import plugin_distribution
 
 DIST = "prefixattn_bench_core_options"
 MODULE = "prefixattn_bench_core_options"
@@ -35,15 +34,4 @@ def plugin_env(
         f"OPTIONS = json.loads({json.dumps(core_options)!r})\n\n\n"
         "def register() -> None:\n    configure(core_options=OPTIONS)\n"
     )
-    info = folder / f"{DIST}-0.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        f"[sglang.srt.plugins]\n{ENTRY_POINT} = {MODULE}:register\n"
-    )
-    env = dict(os.environ if base is None else base)
-    paths = [str(folder), str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH", "")] if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    if env.get("SGLANG_PLUGINS"):
-        env["SGLANG_PLUGINS"] = f"{env['SGLANG_PLUGINS']},{ENTRY_POINT}"
-    return env
+    return plugin_distribution(folder, DIST, ENTRY_POINT, f"{MODULE}:register", base)

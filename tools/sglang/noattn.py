@@ -83,15 +83,22 @@ def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, st
     root first on ``PYTHONPATH`` (importlib.metadata finds ``*.dist-info`` folders on
     ``sys.path``; spawned processes inherit it) and the entry point added to
     ``SGLANG_PLUGINS`` when that whitelist is set."""
-    info = folder / f"{DIST}-0.0.dist-info"
+    return plugin_distribution(folder, DIST, ENTRY_POINT, f"{__name__}:register", base)
+
+
+def plugin_distribution(
+    folder: Path, dist: str, entry_point: str, target: str, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A minimal distribution ``dist`` in ``folder`` whose ``sglang.srt.plugins`` entry point
+    ``entry_point`` is ``target`` (``module:function``), and the environment that finds it
+    (see :func:`plugin_env`)."""
+    info = folder / f"{dist}-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        f"[sglang.srt.plugins]\n{ENTRY_POINT} = {__name__}:register\n"
-    )
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{entry_point} = {target}\n")
     env = dict(os.environ if base is None else base)
     paths = [str(folder), str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH", "")] if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if env.get("SGLANG_PLUGINS"):
-        env["SGLANG_PLUGINS"] = f"{env['SGLANG_PLUGINS']},{ENTRY_POINT}"
+        env["SGLANG_PLUGINS"] = f"{env['SGLANG_PLUGINS']},{entry_point}"
     return env
