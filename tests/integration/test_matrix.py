@@ -275,6 +275,7 @@ def test_workloads(m) -> None:
     for c in range(4):
         a, b, d = turns["prompts"][3 * c : 3 * c + 3]
         assert b[: len(a)] == a and d[: len(b)] == b and len(a) < len(b) < len(d)
+        assert a[:300] == turns["prompts"][0][:300]  # one system prompt for all
     long = m.make_requests("longprompt")
     assert all(2500 <= len(p) <= 3000 for p in long["prompts"]) and long["max_new"] == [8] * 4
     low = m.make_requests("lowload")

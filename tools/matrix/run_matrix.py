@@ -106,8 +106,9 @@ WORKLOADS = {
     "prompts of 1500 tokens prefill in chunks (mixed prefill+decode steps)",
     "arrivals": "24 requests of 4-28 new tokens, at most 8 running: requests join as others "
     "leave (custom engine: staggered arrival steps)",
-    "multiturn": "4 conversations of 3 turns, each turn's prompt the previous one plus an answer "
-    "and a new message (turns 1-2 cached first), all turns at once",
+    "multiturn": "4 conversations under a 300-token system prompt, 3 turns each, each turn's "
+    "prompt the previous one plus an answer and a new message (turns 1-2 cached first), all "
+    "turns at once",
     "longprompt": "private prompts of 2500-3000 tokens, 8 new tokens each",
     "lowload": "4 under a 600-token prefix and 2 private, one running at a time: decode "
     "batches of one",
@@ -362,8 +363,9 @@ def make_requests(workload: str, seed: int = 0, echo: bool = False) -> dict[str,
         max_new = [4 + (7 * i) % 25 for i in range(24)]
         arrival = [2 * i for i in range(24)]
     elif workload == "multiturn":
+        system = toks(300)
         for _ in range(4):
-            turn = toks(rng.randint(200, 400))
+            turn = system + toks(rng.randint(200, 400))
             turns = [turn]
             for _ in range(2):
                 turn = turn + toks(rng.randint(30, 60)) + toks(rng.randint(40, 100))
