@@ -10,6 +10,7 @@ schedulers from a plugin (:func:`tools.sglang.core_options.plugin_env`).
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -40,3 +41,15 @@ def parse_variant(name: str, ours: str | None = None) -> tuple[str, dict[str, An
 
         StepOptions(core_options=options)  # unknown names and wrong values raise here
     return base, options
+
+
+def check_variants(ap: argparse.ArgumentParser, names: list[str], ours: str) -> list[str]:
+    """The backends of ``names`` (:func:`parse_variant`); a bad variant exits through
+    ``ap.error`` with the reason, before any engine starts."""
+    bases = []
+    for name in names:
+        try:
+            bases.append(parse_variant(name, ours=ours)[0])
+        except (ValueError, TypeError, AttributeError) as e:
+            ap.error(str(e))
+    return bases

@@ -619,6 +619,14 @@ int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chu
   return balanced < bound ? static_cast<int64_t>(balanced) : bound;
 }
 
+// packing.part_bounds: part k of `n` page-aligned parts (equal page counts, +-1) of a chunk of
+// `len` KV tokens, as [begin, end) relative to the chunk's start.
+std::pair<int64_t, int64_t> part_bounds(int64_t len, int64_t n, int64_t k, int64_t page_size) {
+  const int64_t pages = ceildiv(len, page_size);
+  return {floordiv(k * pages, n) * page_size,
+          std::min(len, floordiv((k + 1) * pages, n) * page_size)};
+}
+
 // packing.launch_makespan: the estimated makespan, in KV tokens, of one launch whose chunks of
 // KV lengths `lens` are cut into `parts` page-aligned parts, `heads` pairs per part run
 // item-fastest in longest-first order over ceil(pairs / rounds) blocks, rounds = ceil(pairs /
@@ -627,10 +635,8 @@ int64_t launch_makespan(const std::vector<int64_t>& lens, const std::vector<int6
                         int64_t heads, int64_t slots, int64_t page_size) {
   std::vector<int64_t> cost;
   for (size_t c = 0; c < lens.size(); ++c) {
-    const int64_t pages = ceildiv(lens[c], page_size);
     for (int64_t k = 0; k < parts[c]; ++k) {
-      const int64_t begin = floordiv(k * pages, parts[c]) * page_size;
-      const int64_t end = std::min(lens[c], floordiv((k + 1) * pages, parts[c]) * page_size);
+      const auto [begin, end] = part_bounds(lens[c], parts[c], k, page_size);
       cost.push_back(end - begin + kWavePairTokens);
     }
   }
@@ -728,11 +734,11 @@ void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots
   }
   parts.pair_slot.reserve(2 * static_cast<size_t>(slots.size()));
   for (int64_t c = 0; c < n_chunks; ++c) {
-    const int64_t pages = ceildiv(chunks.len(c), ps);
     const int64_t n = chunk_parts[c];
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t begin = chunks.begin[c] + floordiv(k * pages, n) * ps;
-      int64_t end = std::min(chunks.end[c], chunks.begin[c] + floordiv((k + 1) * pages, n) * ps);
+      const auto [rel_begin, rel_end] = part_bounds(chunks.len(c), n, k, ps);
+      const int64_t begin = chunks.begin[c] + rel_begin;
+      int64_t end = chunks.begin[c] + rel_end;
       const int64_t first_pair = static_cast<int64_t>(parts.pair_slot.size());
       int64_t furthest = std::numeric_limits<int64_t>::min();
       for (int64_t s = chunks.first[c]; s < chunks.first[c + 1]; ++s) {

@@ -64,7 +64,7 @@ from typing import Any
 from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
-from tools.variants import parse_variant
+from tools.variants import check_variants
 
 BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
@@ -113,14 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     known = BACKENDS[args.engine]
     args.backends = args.backends or list(known)
-    bad = []
-    for b in args.backends:
-        try:
-            base, _ = parse_variant(b, ours="prefixattn")
-        except (ValueError, TypeError, AttributeError) as e:
-            ap.error(str(e))
-        if base not in known:
-            bad.append(b)
+    bases = check_variants(ap, args.backends, ours="prefixattn")
+    bad = [b for b, base in zip(args.backends, bases, strict=True) if base not in known]
     if bad:
         ap.error(f"unknown backend(s) for {args.engine}: {' '.join(bad)} "
                  f"(choose from {' '.join(known)})")  # fmt: skip
@@ -165,18 +159,10 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         if args.mode == "offline":
             return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-    if backend == BOUND:
-        from tools.sglang.noattn import plugin_env
+    from tools.sglang.core_options import engine_env
 
-        full = plugin_env(scratch / "noattn-plugin")
-        return {k: v for k, v in full.items() if os.environ.get(k) != v}
-    _, core_options = parse_variant(backend)
-    if core_options:  # the scheduler's, through a plugin (tools/sglang/core_options.py)
-        from tools.sglang.core_options import plugin_env as core_env
-
-        full = core_env(scratch / "core-options", core_options)
-        return {k: v for k, v in full.items() if os.environ.get(k) != v}
-    return {}
+    full = engine_env(backend, scratch, bound=backend == BOUND) or {}
+    return {k: v for k, v in full.items() if os.environ.get(k) != v}
 
 
 def gpu_name() -> str | None:

@@ -58,9 +58,10 @@ from typing import Any
 from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.serving.workloads import distinct_tokens
+from tools.sglang.core_options import engine_env
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
-from tools.variants import parse_variant
+from tools.variants import check_variants, parse_variant
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -195,16 +196,8 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
            "--out", str(out), "--batch", str(args.batch), "--first", str(args.first),
            "--steps", str(args.steps), "--repeat", str(args.repeat), "--workloads", *args.workloads,
            *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
-    env = None
-    _, core_options = parse_variant(backend)
-    if backend == BOUND:  # registered in the engine's processes only (SGLang plugin)
-        from tools.sglang.noattn import plugin_env
-
-        env = plugin_env(out / "noattn-plugin")
-    elif core_options:  # set in the engine's processes only (SGLang plugin)
-        from tools.sglang.core_options import plugin_env as core_env
-
-        env = core_env(out / f"core-options-{backend}", core_options)
+    # The bound's registration or a variant's core options, in that engine's processes only.
+    env = engine_env(backend, out / f"plugins-{backend}", bound=backend == BOUND)
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log, env=env)
     wall = round(time.monotonic() - t0, 1)
@@ -241,11 +234,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.workloads:
         workload(spec, 1)  # validate before starting any engine
-    for b in args.backends:
-        try:
-            parse_variant(b, ours="prefixattn")
-        except (ValueError, TypeError, AttributeError) as e:
-            ap.error(str(e))
+    check_variants(ap, args.backends, ours="prefixattn")
     if args.one:
         path = args.out / f"bench_decode_{args.one}.json"
         data = bench_backend(args.model, args.one, args, lambda d: write_atomic(path, d))

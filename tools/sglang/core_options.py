@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.sglang.noattn import plugin_distribution
+from tools.variants import parse_variant
 
 DIST = "prefixattn_bench_core_options"
 MODULE = "prefixattn_bench_core_options"
@@ -35,3 +36,16 @@ def plugin_env(
         "def register() -> None:\n    configure(core_options=OPTIONS)\n"
     )
     return plugin_distribution(folder, DIST, ENTRY_POINT, f"{MODULE}:register", base)
+
+
+def engine_env(backend: str, folder: Path, bound: bool) -> dict[str, str] | None:
+    """The environment of ``backend``'s SGLang engine, which all its processes inherit: with
+    ``bound``, the attention-free bound's plugin (``folder/noattn-plugin``,
+    ``tools/sglang/noattn.py``); for a variant with core options (``tools/variants.py``), a
+    plugin that sets them (``folder/core-options``); else None (the benchmark's own)."""
+    if bound:
+        from tools.sglang.noattn import plugin_env as bound_env
+
+        return bound_env(folder / "noattn-plugin")
+    _, core_options = parse_variant(backend)
+    return plugin_env(folder / "core-options", core_options) if core_options else None

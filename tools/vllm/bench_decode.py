@@ -57,7 +57,7 @@ from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
 from tools.timing import paired_step_ms
 from tools.trace_summary import summarize_traces
-from tools.variants import parse_variant
+from tools.variants import check_variants, parse_variant
 
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
 BOUND = "NOATTN"
@@ -226,11 +226,7 @@ def main() -> int:
         run_worker(args)
         return 0
 
-    for b in args.backends:
-        try:
-            parse_variant(b, ours="CUSTOM")
-        except (ValueError, TypeError, AttributeError) as e:
-            ap.error(str(e))
+    check_variants(ap, args.backends, ours="CUSTOM")
     # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget

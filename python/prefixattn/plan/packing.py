@@ -265,6 +265,23 @@ def page_runs(
     return offset, pages
 
 
+def part_bounds(
+    lens: np.ndarray, parts: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The split of chunks of ``lens`` KV tokens into ``parts[c]`` page-aligned parts of
+    equal page counts (+-1): each part's chunk and its bounds relative to the chunk's start.
+
+    Worked example: lens [100], parts [3], page size 16 (7 pages) -> parts of 2, 2 and 3
+    pages: begin [0, 32, 64], end [32, 64, 100].
+    """
+    owner = np.repeat(np.arange(len(lens)), parts)
+    rank, _ = _segment_rank(owner, len(lens))
+    pages, p = -(-lens[owner] // page_size), parts[owner]
+    begin = (rank * pages // p) * page_size
+    end = np.minimum(lens[owner], ((rank + 1) * pages // p) * page_size)
+    return owner, begin, end
+
+
 def launch_makespan(
     lens: np.ndarray, parts: np.ndarray, heads: int, slots: int, page_size: int
 ) -> int:
@@ -278,12 +295,7 @@ def launch_makespan(
     2 parts each -> 128 pairs, one round, 2048 + 256 = 2304; 5 parts each (51 or 52 pages)
     -> 320 pairs in 3 rounds on 107 blocks, 3232 on the busiest block.
     """
-    pages = -(-lens // page_size)
-    owner = np.repeat(np.arange(len(lens)), parts)
-    k = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
-    p = parts[owner]
-    begin = (k * pages[owner] // p) * page_size
-    end = np.minimum(lens[owner], ((k + 1) * pages[owner] // p) * page_size)
+    _, begin, end = part_bounds(lens, parts, page_size)
     cost = np.sort(end - begin)[::-1] + WAVE_PAIR_TOKENS
     seq = np.tile(cost, heads)  # pair j = head * items + item: item-fastest
     n = len(seq)
@@ -467,13 +479,9 @@ def pack(
                 parts, chunk_len = parts.astype(np.int64), chunk_len.astype(np.int64)
             elif split_waves:
                 parts = fill_waves(parts, chunk_len, height, slots, shape.num_kv_heads, ps)
-    part_chunk = np.repeat(np.arange(n_chunks), parts)
-    part_rank, _ = _segment_rank(part_chunk, n_chunks)
-    pc, pp = chunk_pages[part_chunk], parts[part_chunk]
-    part_begin = chunk_begin[part_chunk] + (part_rank * pc // pp) * ps
-    part_end = np.minimum(
-        chunk_end[part_chunk], chunk_begin[part_chunk] + ((part_rank + 1) * pc // pp) * ps
-    )
+    part_chunk, rel_begin, rel_end = part_bounds(chunk_len, parts, ps)
+    part_begin = chunk_begin[part_chunk] + rel_begin
+    part_end = chunk_begin[part_chunk] + rel_end
     # Slots of each part: the chunk's slots whose bound reaches into the part.
     part_first = np.concatenate(([0], np.cumsum(parts)[:-1]))
     rep = parts[slot_chunk]
