@@ -16,7 +16,7 @@ DEFAULTS = {
     "pack_heads": True,
     "finish_in_leaf": True,
     "one_launch_in_one_wave": True,
-    "split_waves": False,
+    "split_waves": True,
     "max_plan_bytes": 8 * 2**30,
     "use_kernels": True,
     "prefetch_tiles": 0,

@@ -69,7 +69,7 @@ struct PlanParams {
   int64_t split_target = 0;
   // With split_target > 0: cut the split chunks of each tile height into fewer parts where the
   // launch's estimated makespan is shorter (packing.fill_waves).
-  bool split_waves = false;
+  bool split_waves = true;
   // > 0: after packing, let the leaf launch finish the merged tokens it can
   // (packer.finish_in_leaf with leaf_warps = finish_leaf_warps: the items of 16-row tiles are the
   // leaf items; PlanResult::num_finished); 0: no finishing.

@@ -112,8 +112,8 @@ ABLATIONS: dict[str, Variant] = {
     "one_tile": Variant(tiles="one_tile"),
     # each item keeps its own tile height in one-wave plans
     "per_height": Variant(plan={"one_launch_in_one_wave": False}),
-    # split chunks cut into fewer parts where that fills whole waves
-    "waves": Variant(plan={"split_waves": True}),
+    # the split rule's parts, not fewer where they fill whole waves
+    "no_waves": Variant(plan={"split_waves": False}),
     # one KV head per (item, KV head) pair of the 16-row kernel
     "unpacked_heads": Variant(plan={"pack_heads": False}),
     "prefetch2": Variant(launch={"prefetch_tiles": 2}),
@@ -618,7 +618,7 @@ def _write(torch, bw: float, rows: list[dict], out_path: Path) -> dict:
 
 def _write_table(result: dict, path: Path) -> None:
     cols = [c for c in ("floor_us", "plan_floor_us", "prefixattn_us", "fi_decode_us", "fi_cascade_us", "naive_us",
-                        "per_query_us", "no_split_us", "split_all_us", "waves_us", "one_tile_us",
+                        "per_query_us", "no_split_us", "split_all_us", "no_waves_us", "one_tile_us",
                         "prefetch2_us", "fixed_grid_us", "concurrent_us",
                         "fixed_concurrent_us", "unchained_us", "tile16_us", "merge_all_us", "fixed_merge_all_us",
                         "wide_leaf_us", "copy_us", "math_us", "ceiling_us")

@@ -86,12 +86,12 @@ class PlanOptions(_Checked):
     kernels run as one launch instead of one per height (docs/dev/log.md, v8). False:
     each item keeps its own tile height."""
 
-    split_waves: bool = False
+    split_waves: bool = True
     """With a split target, cut the split row chunks of each launch into fewer parts where
     the launch's estimated makespan is shorter (whole waves of the SMs instead of a last,
     partly filled round; ``prefixattn.plan.packing.fill_waves``, the same in the compiled
-    planner). Off by default: not yet measured against the kernels (docs/dev/serving.md,
-    part 6)."""
+    planner; docs/dev/log.md, "Whole waves for split launches"). False: the split rule's
+    parts."""
 
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
     """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than

@@ -246,15 +246,15 @@ def test_options_are_checked_when_set() -> None:
 
 
 def test_core_options_reach_every_core() -> None:
-    planner = _planner(core_options={"split_waves": True, "prefetch_tiles": 2})
-    assert planner.eager_attention.split_waves is True
+    planner = _planner(core_options={"split_waves": False, "prefetch_tiles": 2})
+    assert planner.eager_attention.split_waves is False
     assert planner.eager_attention.prefetch_tiles == 2
     planner.reserve_graphs(4, 4, 64)
     graph = planner.attention_for(graph=True)
-    assert graph.split_waves is True and graph is not planner.eager_attention
+    assert graph.split_waves is False and graph is not planner.eager_attention
     # The defaults where none are given; the cores' own option objects are not shared.
     plain = _planner()
-    assert plain.eager_attention.split_waves is False
+    assert plain.eager_attention.split_waves is True
     assert plain.eager_attention.plan_options is not planner.eager_attention.plan_options
 
 

@@ -130,7 +130,7 @@ def check(
     chained=False,
     split_target=None,
     narrow=True,
-    split_waves=False,
+    split_waves=True,
 ):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -602,13 +602,15 @@ def test_leaf_launch_finishes_merged_tokens(mode):
 
 @pytest.mark.parametrize(("spec", "target"), [("1,256_4096,32", 132), ("1,128_1024,8", 66)])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_split_waves(spec, target, page_size):
-    # Plans whose split chunks take fewer parts (PlanOptions.split_waves) on the kernels.
+@pytest.mark.parametrize("waves", [False, True])
+def test_split_waves(spec, target, page_size, waves):
+    # Plans whose split chunks take fewer parts (PlanOptions.split_waves, the default) and
+    # the split rule's own parts, on the kernels.
     table, lens = tree_batch(spec, page_size, seed=1)
     plan = check(
         32, 8, 128, page_size, torch.bfloat16, "NHD", False, table, lens,
         int(table.max()) + 1, np.ones(len(lens), dtype=np.int32),
-        split_target=target, split_waves=True,
+        split_target=target, split_waves=waves,
     )  # fmt: skip
     assert plan.num_partials > 0
 

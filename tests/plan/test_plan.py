@@ -186,9 +186,11 @@ def test_split_target_cuts_only_chunks_that_leave_sms_idle() -> None:
     # in the 128-row launch, whose share per SM is 64 * 4096 / 132 = 1986 tokens. At a target
     # of 132 a pair's 4096 tokens are more than twice that: each chunk is cut into
     # ceil(4096 / (1986 / 2)) = 5 parts (16 with split_target=0, parts of 256 tokens). At 128
-    # SMs a pair holds exactly twice the share: not cut.
+    # SMs a pair holds exactly twice the share: not cut. (The split rule alone: without
+    # split_waves, which would then take fewer parts; below.)
     table, lens = tree_batch("1,256_4096,32", 16)
     pa = PrefixAttention(32, 8, 128, 16)
+    pa.split_waves = False
 
     def root_items(plan) -> list[int]:
         h = plan.host

@@ -201,6 +201,7 @@ def test_split_waves_changes_the_plan_not_the_output() -> None:
     q, k, v = _decode_inputs(table, lens, hq, hkv, d)
     pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
     pa.split_target = 66
+    pa.split_waves = False
     rule = pa.plan(table, lens)
     pa.split_waves = True
     waves = pa.plan(table, lens)

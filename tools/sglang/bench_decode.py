@@ -29,7 +29,9 @@ and summarised, so the JSON shows that every timed step ran all B requests in a 
 
 ``--backends`` may also name ``noattn``, the attention-free bound (``tools/sglang/noattn.py``:
 triton's metadata path, no KV reads or writes, no attention math; registered in that engine's
-processes only); the results then give each backend's step as a percent of the bound's. A
+processes only); the results then give each backend's step as a percent of the bound's; and
+``prefixfloor``, the bound plus the shared prefix's attention math on FA3
+(``tools/prefix_floor.py``), with one ``shared1:P`` workload only. A
 backend name may carry core options after ``+`` (``prefixattn+split_waves``;
 ``tools/variants.py``), set in that engine's processes by a plugin
 (``tools/sglang/core_options.py``).
@@ -75,6 +77,16 @@ DEFAULT_WORKLOADS = ["shared1:1024", "shared1:4096", "shared3:4096", "none:1024"
 BACKENDS = ["prefixattn", "flashinfer", "triton"]
 BOUND = "noattn"
 """The attention-free bound (``tools/sglang/noattn.py``), run when named in ``--backends``."""
+FLOOR = "prefixfloor"
+"""The bound plus the shared prefix's math on FA3 (``tools/prefix_floor.py``)."""
+
+
+def floor_tokens(workloads: list[str]) -> int:
+    """The prefix length of ``prefixfloor``: that of the run's one ``shared1:P`` workload
+    (ValueError otherwise: the floor models one shared prefix)."""
+    if len(workloads) != 1 or not workloads[0].startswith("shared1:"):
+        raise ValueError(f"{FLOOR} runs one shared1:P workload, not {' '.join(workloads)}")
+    return int(workloads[0].split(":")[1])
 
 
 def workload(spec: str, batch: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -112,6 +124,10 @@ def bench_backend(
         from tools.sglang.noattn import register
 
         register()
+    elif backend == FLOOR:
+        from tools.sglang.noattn import register_floor
+
+        register_floor(floor_tokens(args.workloads))
     base, _ = parse_variant(backend)  # the options reach the scheduler through its plugin
     t0 = time.time()
     llm = sgl.Engine(
@@ -197,7 +213,10 @@ def run_one(model: str, backend: str, args: argparse.Namespace, timeout: float) 
            "--steps", str(args.steps), "--repeat", str(args.repeat), "--workloads", *args.workloads,
            *(["--profile", args.profile] if args.profile else [])]  # fmt: skip
     # The bound's registration or a variant's core options, in that engine's processes only.
-    env = engine_env(backend, out / f"plugins-{backend}", bound=backend == BOUND)
+    env = engine_env(
+        backend, out / f"plugins-{backend}", bound=backend == BOUND,
+        floor_tokens=floor_tokens(args.workloads) if backend == FLOOR else None,
+    )  # fmt: skip
     t0 = time.monotonic()
     code = run_in_group(cmd, timeout, log, env=env)
     wall = round(time.monotonic() - t0, 1)
@@ -235,6 +254,11 @@ def main() -> int:
     for spec in args.workloads:
         workload(spec, 1)  # validate before starting any engine
     check_variants(ap, args.backends, ours="prefixattn")
+    if FLOOR in args.backends:
+        try:
+            floor_tokens(args.workloads)
+        except ValueError as e:
+            ap.error(str(e))
     if args.one:
         path = args.out / f"bench_decode_{args.one}.json"
         data = bench_backend(args.model, args.one, args, lambda d: write_atomic(path, d))

@@ -38,14 +38,22 @@ def plugin_env(
     return plugin_distribution(folder, DIST, ENTRY_POINT, f"{MODULE}:register", base)
 
 
-def engine_env(backend: str, folder: Path, bound: bool) -> dict[str, str] | None:
+def engine_env(
+    backend: str, folder: Path, bound: bool, floor_tokens: int | None = None
+) -> dict[str, str] | None:
     """The environment of ``backend``'s SGLang engine, which all its processes inherit: with
     ``bound``, the attention-free bound's plugin (``folder/noattn-plugin``,
-    ``tools/sglang/noattn.py``); for a variant with core options (``tools/variants.py``), a
-    plugin that sets them (``folder/core-options``); else None (the benchmark's own)."""
+    ``tools/sglang/noattn.py``); with ``floor_tokens``, the ``prefixfloor`` plugin of that
+    prefix length (``folder/floor-plugin``); for a variant with core options
+    (``tools/variants.py``), a plugin that sets them (``folder/core-options``); else None (the
+    benchmark's own)."""
     if bound:
         from tools.sglang.noattn import plugin_env as bound_env
 
         return bound_env(folder / "noattn-plugin")
+    if floor_tokens is not None:
+        from tools.sglang.noattn import floor_plugin_env
+
+        return floor_plugin_env(folder / "floor-plugin", floor_tokens)
     _, core_options = parse_variant(backend)
     return plugin_env(folder / "core-options", core_options) if core_options else None

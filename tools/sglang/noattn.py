@@ -8,6 +8,14 @@ engine's per-step host work and the metadata kernels are counted); ``forward_dec
 v_head_dim]`` in the query's dtype) and never call ``set_kv_buffer``: no KV is read or written
 and nothing is computed. The KV pool is the model runner's own, as for every backend.
 
+``prefixfloor`` (:func:`floor_class`) is the same backend plus one cost: each decode forward
+runs the shared prefix's attention math, and nothing else, on FA3 (vLLM's build where it is
+importable, else sgl_kernel's; ``tools/prefix_floor.fa3_varlen``), the fastest dense
+attention kernel these engines ship for Hopper: every query of the batch against a fixed
+P-token K/V of the layer's KV heads (``tools/prefix_floor.py``). Any exact attention computes at least that product, so on the
+``shared1:P`` workload no backend whose prefix math is not faster than FA3's beats this
+step.
+
 Registration (:func:`register`) adds ``noattn`` to SGLang's backend choices
 (``add_attention_backend_choices``) and its factory to ``ATTENTION_BACKENDS``
 (``register_attention_backend``). SGLang spawns its scheduler, which must register it too:
@@ -25,9 +33,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tools.prefix_floor import check_floor_tokens
+
 NAME = "noattn"
+FLOOR = "prefixfloor"
+FLOOR_TOKENS = 0
+"""The prefix length of ``prefixfloor`` in this process (:func:`register_floor`)."""
 ENTRY_POINT = "prefixattn_bench_noattn"
 DIST = "prefixattn_bench_noattn"
+FLOOR_DIST = FLOOR_MODULE = "prefixattn_bench_prefixfloor"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,11 +77,59 @@ def backend_class() -> type:
     return NoAttnBackend
 
 
+@functools.cache
+def floor_class() -> type:
+    """The ``prefixfloor`` backend class: :func:`backend_class` plus the prefix's math."""
+    import torch
+
+    from tools.prefix_floor import fa3_varlen, random_kv
+
+    source, fa3 = fa3_varlen()
+
+    class PrefixFloorBackend(backend_class()):  # type: ignore[misc]
+        """The bound, plus FA3 over every query against ``FLOOR_TOKENS`` keys per layer."""
+
+        def __init__(self, model_runner: Any) -> None:
+            super().__init__(model_runner)
+            cfg, device = model_runner.model_config, model_runner.device
+            kv = random_kv(
+                cfg.num_hidden_layers, FLOOR_TOKENS, cfg.get_num_kv_heads(model_runner.tp_size),
+                cfg.head_dim, model_runner.dtype, device,
+            )  # fmt: skip
+            self.floor_kv = [(k[0], v[0]) for k, v in kv]  # [P, KV heads, dims] per layer
+            self.floor_cu_k = torch.tensor([0, FLOOR_TOKENS], dtype=torch.int32, device=device)
+            self.floor_cu_q = torch.zeros(2, dtype=torch.int32, device=device)
+            print(f"prefixfloor: {FLOOR_TOKENS}-token prefix, FA3 from {source}", flush=True)
+
+        def forward_decode(
+            self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+            save_kv_cache: bool = True, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            n = q.numel() // (layer.tp_q_head_num * layer.qk_head_dim)
+            kc, vc = self.floor_kv[layer.layer_id]
+            out = q.new_empty((n, layer.tp_q_head_num, layer.v_head_dim))
+            self.floor_cu_q[1:].fill_(n)  # one kernel, captured with the step's graph
+            fa3(q.reshape(n, layer.tp_q_head_num, layer.qk_head_dim), kc, vc, self.floor_cu_q,
+                self.floor_cu_k, n, FLOOR_TOKENS, layer.scaling, out)  # fmt: skip
+            return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim)
+
+    PrefixFloorBackend.__module__ = __name__
+    PrefixFloorBackend.__qualname__ = "PrefixFloorBackend"
+    return PrefixFloorBackend
+
+
 def create_backend(model_runner: Any) -> Any:
     """SGLang attention-registry factory: ``fn(model_runner) -> AttentionBackend``."""
     if getattr(model_runner, "use_mla_backend", False):
         raise ValueError("the noattn bound serves MHA/GQA models; this model uses MLA")
     return backend_class()(model_runner)
+
+
+def create_floor(model_runner: Any) -> Any:
+    """SGLang attention-registry factory of ``prefixfloor``."""
+    if getattr(model_runner, "use_mla_backend", False):
+        raise ValueError("the prefixfloor bound serves MHA/GQA models; this model uses MLA")
+    return floor_class()(model_runner)
 
 
 def register() -> None:
@@ -77,6 +139,15 @@ def register() -> None:
     register_backend(NAME, create_backend)
 
 
+def register_floor(tokens: int) -> None:
+    """Add ``prefixfloor`` with a ``tokens``-token prefix (idempotent)."""
+    from prefixattn.adapters.sglang.plugin import register_backend
+
+    global FLOOR_TOKENS
+    FLOOR_TOKENS = check_floor_tokens(tokens)
+    register_backend(FLOOR, create_floor)
+
+
 def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """Write a distribution whose ``sglang.srt.plugins`` entry point is :func:`register` into
     ``folder``; return ``base`` (default ``os.environ``) with ``folder`` and the repository
@@ -84,6 +155,19 @@ def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, st
     ``sys.path``; spawned processes inherit it) and the entry point added to
     ``SGLANG_PLUGINS`` when that whitelist is set."""
     return plugin_distribution(folder, DIST, ENTRY_POINT, f"{__name__}:register", base)
+
+
+def floor_plugin_env(
+    folder: Path, tokens: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """As :func:`plugin_env`, for ``prefixfloor`` with a ``tokens``-token prefix: the entry
+    point is a written module that calls :func:`register_floor` with it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{FLOOR_MODULE}.py").write_text(
+        f"from tools.sglang.noattn import register_floor\n\n\n"
+        f"def register() -> None:\n    register_floor({check_floor_tokens(tokens)})\n"
+    )
+    return plugin_distribution(folder, FLOOR_DIST, FLOOR_DIST, f"{FLOOR_MODULE}:register", base)
 
 
 def plugin_distribution(

@@ -16,7 +16,9 @@ Workloads, each B requests (``--batches``, up to 256) of token-id prompts:
 ``--backends`` may also name ``NOATTN``, the attention-free bound (``tools/vllm/noattn.py``:
 FLASH_ATTN's metadata path, no KV reads or writes, no attention math). Its backend is
 registered in the worker process, so with it in the run every backend's engine core runs in
-its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike. A backend name may carry
+its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike. ``PREFIXFLOOR`` is the bound
+plus the shared prefix's attention math on FA3 (``tools/prefix_floor.py``), with
+``--workloads shared1`` only (its prefix is ``--prefix``). A backend name may carry
 core options after ``+`` (``CUSTOM+split_waves``; ``tools/variants.py``), passed as
 ``additional_config={"prefixattn": {"core_options": ...}}``.
 
@@ -62,6 +64,8 @@ from tools.variants import check_variants, parse_variant
 BACKENDS = ("CUSTOM", "FLASH_ATTN", "FLASHINFER")
 BOUND = "NOATTN"
 """The attention-free bound (``tools/vllm/noattn.py``), run when named in ``--backends``."""
+FLOOR = "PREFIXFLOOR"
+"""The bound plus the shared prefix's math on FA3 (``tools/prefix_floor.py``)."""
 PROFILE_TOKENS = 12
 WORKLOADS = ("shared1", "tree", "none")
 
@@ -135,6 +139,10 @@ def run_worker(args: argparse.Namespace) -> None:
         from tools.vllm.noattn import register
 
         register()
+    elif args.worker == FLOOR:
+        from tools.vllm.noattn import register_floor
+
+        register_floor(args.prefix)
     from vllm import LLM, SamplingParams, TokensPrompt
 
     compilation: dict[str, Any] = {}
@@ -227,6 +235,8 @@ def main() -> int:
         return 0
 
     check_variants(ap, args.backends, ours="CUSTOM")
+    if FLOOR in args.backends and args.workloads != ["shared1"]:
+        ap.error(f"{FLOOR} runs --workloads shared1 only (one shared prefix)")
     # A SIGTERM (run_gpu.sh's timeout) unwinds through run_in_group's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget
@@ -247,7 +257,7 @@ def main() -> int:
         "--reps", str(args.reps), "--max-model-len", str(args.max_model_len),
         "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
         *(["--profile", args.profile] if args.profile else []),
-        *(["--in-process"] if BOUND in args.backends else []),
+        *(["--in-process"] if {BOUND, FLOOR} & set(args.backends) else []),
     ]  # fmt: skip
     for i, backend in enumerate(args.backends):
         timeout = (deadline - time.monotonic()) / (len(args.backends) - i)

@@ -19,6 +19,11 @@ CUDA not initialized in the parent). A spawned engine core fails while unpicklin
 configuration (``AttentionBackendEnum('tools.vllm.noattn.NoAttentionBackend')`` is unknown
 there).
 
+``PREFIXFLOOR`` (:class:`PrefixFloorBackend`, :func:`register_floor`) is the same bound plus
+one cost: each decode forward runs the shared prefix's attention math, and nothing else, on
+FA3 (``vllm.vllm_flash_attn``): every query of the batch against a fixed P-token K/V of the
+layer's KV heads (``tools/prefix_floor.py``).
+
 Importing this module imports vLLM.
 """
 
@@ -30,6 +35,10 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 NAME = "NOATTN"
 BACKEND_PATH = "tools.vllm.noattn.NoAttentionBackend"
+FLOOR = "PREFIXFLOOR"
+FLOOR_PATH = "tools.vllm.noattn.PrefixFloorBackend"
+FLOOR_TOKENS = 0
+"""The prefix length of ``PREFIXFLOOR`` in this process (:func:`register_floor`)."""
 
 
 class NoAttentionImpl(FlashAttentionImpl):
@@ -70,11 +79,79 @@ class NoAttentionBackend(FlashAttentionBackend):
         return NoAttentionImpl
 
 
-def register() -> None:
-    """Add ``NOATTN`` to vLLM's ``AttentionBackendEnum`` (idempotent)."""
+class PrefixFloorImpl(NoAttentionImpl):
+    """The bound's impl plus FA3 over every decode query against ``FLOOR_TOKENS`` keys."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import torch
+        from vllm.config import get_current_vllm_config
+
+        from tools.prefix_floor import random_kv
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        dtype = get_current_vllm_config().model_config.dtype
+        ((k, v),) = random_kv(1, FLOOR_TOKENS, self.num_kv_heads, self.head_size, dtype, device)
+        self.floor_k, self.floor_v = k[0], v[0]  # [P, kv heads, dims]: the varlen layout
+        self.floor_cu_k = torch.tensor([0, FLOOR_TOKENS], dtype=torch.int32, device=device)
+        self.floor_cu_q = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def forward(
+        self,
+        layer: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        kv_cache: Any,
+        attn_metadata: Any,
+        output: Any,
+        output_scale: Any = None,
+        output_block_scale: Any = None,
+    ) -> Any:
+        """Decode steps (every request one query token): FA3 of all of ``query``'s rows
+        (padded ones included) against the layer's fixed prefix, into ``output``; other
+        steps: zeros, as the bound."""
+        if attn_metadata is None or attn_metadata.max_query_len != 1:
+            return output.zero_()
+        from tools.prefix_floor import fa3_varlen
+
+        n = query.shape[0]
+        self.floor_cu_q[1:].fill_(n)  # one kernel, captured with the step's graph
+        fa3_varlen()[1](query, self.floor_k, self.floor_v, self.floor_cu_q, self.floor_cu_k, n,
+                        FLOOR_TOKENS, self.scale, output[:n])  # fmt: skip
+        return output
+
+
+class PrefixFloorBackend(NoAttentionBackend):
+    """The bound with :class:`PrefixFloorImpl`."""
+
+    @staticmethod
+    def get_name() -> str:
+        return FLOOR
+
+    @staticmethod
+    def get_impl_cls() -> type[PrefixFloorImpl]:
+        return PrefixFloorImpl
+
+
+def _register(name: str, path: str) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if NAME in AttentionBackendEnum.__members__:
-        register_backend(AttentionBackendEnum[NAME], BACKEND_PATH)
+    if name in AttentionBackendEnum.__members__:
+        register_backend(AttentionBackendEnum[name], path)
     else:
-        register_backend(NAME, BACKEND_PATH)
+        register_backend(name, path)
+
+
+def register() -> None:
+    """Add ``NOATTN`` to vLLM's ``AttentionBackendEnum`` (idempotent)."""
+    _register(NAME, BACKEND_PATH)
+
+
+def register_floor(tokens: int) -> None:
+    """Add ``PREFIXFLOOR`` with a ``tokens``-token prefix (idempotent)."""
+    from tools.prefix_floor import check_floor_tokens
+
+    global FLOOR_TOKENS
+    FLOOR_TOKENS = check_floor_tokens(tokens)
+    _register(FLOOR, FLOOR_PATH)
