@@ -93,7 +93,7 @@ def floor_class() -> type:
             super().__init__(model_runner)
             cfg, device = model_runner.model_config, model_runner.device
             kv = random_kv(
-                cfg.num_hidden_layers, FLOOR_TOKENS, cfg.get_num_kv_heads(model_runner.tp_size),
+                cfg.num_hidden_layers, FLOOR_TOKENS, self.num_kv_head,
                 cfg.head_dim, model_runner.dtype, device,
             )  # fmt: skip
             self.floor_kv = [(k[0], v[0]) for k, v in kv]  # [P, KV heads, dims] per layer
