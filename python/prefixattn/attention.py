@@ -29,7 +29,7 @@ from .plan.device_table import (
     position_runs,
     table_positions,
 )
-from .plan.layout import variant_mask
+from .plan.layout import NUM_VARIANTS, variant_mask
 from .plan.packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .plan.planner import HostPlan, build_host_plan
 from .plan.tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
@@ -285,6 +285,11 @@ class PrefixAttention:
         self._buffers: PlanBuffers | None = None
         self._workspace: Workspace | None = None
         self._hinted: HintedState | None = None
+        self._fixed_table: TileTable | None = None
+        """The tile table of this object's first fixed-grid run (a CUDA graph capture, or
+        ``fixed_grid``): such runs launch the kernel variants of its heights for their
+        token count (:meth:`_fixed_launches`), and every plan from then on must keep within
+        them (:meth:`_launch_plan` checks)."""
 
     # The knobs of both option groups, as attributes (validated when set).
     native_plan = _Option[bool]("plan_options", PlanOptions)
@@ -621,8 +626,12 @@ class PrefixAttention:
             if self._workspace is None:
                 self._workspace = Workspace(q.device, q.dtype)
             finish = self.plan_options.finish_in_leaf
+            # A fixed grid (graph capture) launches only the variants a plan of this many
+            # tokens can use, not all of them: fewer empty launches in small batches' graphs.
+            fixed = launch.fixed_grid or torch.cuda.is_current_stream_capturing()
+            variants = self._fixed_launches(q.shape[0]) if fixed else -1
             run_plan(plan, q, k_cache, v_cache, out, scale, self._workspace, launch,
-                     finish=finish)  # fmt: skip
+                     finish=finish, fixed_variants=variants)  # fmt: skip
             if self._hinted is not None:
                 # The fallback of hinted plans: its counts are zero unless a check failed
                 # (then the plan above did nothing).
@@ -860,6 +869,36 @@ class PrefixAttention:
         have = (buffers if buffers is not None else self._main_buffers()).capacity("kv_pages")
         return have if have >= pages else None
 
+    def _fixed_launches(self, num_tokens: int) -> int:
+        """The launches of a fixed-grid run of ``num_tokens`` query tokens: the kernel
+        variants of the heights any plan of at most that many tokens may use
+        (``TileTable.heights_up_to``) and the merge (bit ``NUM_VARIANTS``)."""
+        if self._fixed_table is None:
+            self._fixed_table = self.tiles
+        rows = num_tokens * (self.num_qo_heads // self.num_kv_heads)
+        return variant_mask(self._fixed_table.heights_up_to(rows)) | (1 << NUM_VARIANTS)
+
+    def _check_fixed_heights(self, hp: HostPlan) -> None:
+        """A plan's tile heights are among those that fixed-grid runs of its token count
+        launch (:meth:`_fixed_launches`): the table's own rule, checked on every plan, since
+        a graph replaying a plan with another height would skip its items."""
+        table = self._fixed_table or self.tiles
+        group = self.num_qo_heads // self.num_kv_heads
+        allowed = table.heights_up_to(hp.num_tokens * group)
+        used = sorted({m for m, _ in hp.tiles})
+        if not set(used) <= set(allowed):
+            changed = table is not self.tiles
+            raise RuntimeError(
+                f"prefixattn: a plan of {hp.num_tokens} tokens uses tile heights {used}, but "
+                f"fixed-grid launches (CUDA graphs) of that many tokens run only {list(allowed)}"
+                + (
+                    "; `tiles` changed after a fixed-grid run or graph capture, which is not "
+                    "supported: make a new PrefixAttention for the new table"
+                    if changed
+                    else " (prefixattn internal error)"
+                )
+            )
+
     def _advanced(
         self,
         key: tuple[Any, ...],
@@ -901,6 +940,7 @@ class PrefixAttention:
         views: dict[str, torch.Tensor],
         page_table: torch.Tensor | None,
     ) -> LaunchPlan:
+        self._check_fixed_heights(hp)
         device_arrays: dict[str, Any] = {n: views[n] for n in hp.device_arrays()}
         return LaunchPlan(
             num_qo_heads=self.num_qo_heads,

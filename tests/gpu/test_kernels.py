@@ -805,6 +805,56 @@ def test_cuda_graph_replays_new_plans(mode):
         _replay_matches(graph, q, out, k, v, table, lens, gen, spec)
 
 
+@pytest.mark.parametrize(
+    ("b", "specs", "variants"),
+    [
+        (1, ["1_3000", "1_40", "1_9000"], 0b10001),
+        (2, ["1,2_2048,100", "2_700", "1,2_64,5000"], 0b10001),
+        (8, ["1,8_1024,50", "1,2,8_512,256,33", "8_3000"], 0b10111),
+        (9, ["1,9_1024,50", "9_3000"], 0b11111),
+    ],
+)
+def test_small_batch_graphs_launch_fewer_variants(b, specs, variants):
+    # A graph captured at b tokens launches only the kernel variants (and the merge) that a
+    # plan of at most b tokens can use (TileTable.heights_up_to); plans of long private KV
+    # (split items, merges) and of shared roots replay exactly.
+    hq, hkv, d, ps = 32, 8, 128, 16
+    gen = torch.Generator(device=DEV).manual_seed(b)
+    num_pages = 9 * 600
+    k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
+    pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
+    pa.reserve(num_work_items=4096, num_pages=num_pages, num_slots=4096, num_tokens=b)
+    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def batch(spec, seed):
+        table, lens = tree_batch(spec, ps, seed=seed)
+        assert len(lens) == b and table.max() < num_pages
+        return table, lens
+
+    table, lens = batch(specs[0], 0)
+    pa.plan(table, lens)
+    pa.run(q, k, v, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.run(q, k, v, out=out)
+    assert pa._fixed_launches(b) == variants
+    for i, spec in enumerate(specs[1:] + specs[:1]):
+        table, lens = batch(spec, i + 1)
+        plan = pa.plan(table, lens)
+        assert {m for m, _ in plan.tiles} <= set(pa.tiles.heights_up_to(b * hq // hkv))
+        _replay_matches(graph, q, out, k, v, table, lens, gen, spec)
+    # A fixed-grid run outside a graph launches the same variants.
+    pa.fixed_grid = True
+    out.fill_(float("nan"))
+    pa.run(q, k, v, out=out)
+    qo = np.arange(len(lens) + 1, dtype=np.int32)
+    ref = gathered_attention(q, k, v, table, lens, qo, "NHD", 1.0 / math.sqrt(d))
+    assert not torch.isnan(out).any()
+    assert (out.float() - ref).abs().max().item() < 4 * EPS[torch.bfloat16] * 4
+
+
 def test_unsupported_dtype_raises():
     pa = prefixattn.PrefixAttention(4, 4, 128, 16, device=DEV, dtype=torch.bfloat16)
     plan = pa.plan(np.zeros((1, 1), dtype=np.int32), np.array([5], dtype=np.int32))

@@ -56,6 +56,59 @@ def test_every_visible_pair_is_covered_once(
     check_merge_layout(plan)
 
 
+def test_heights_up_to_worked_example() -> None:
+    table = PrefixAttention(32, 8, 128, 16).tiles  # sm90, head_dim 128
+    assert [table.heights_up_to(r) for r in (0, 4, 16)] == [(16,)] * 3
+    assert table.heights_up_to(17) == table.heights_up_to(32) == (16, 32, 64)  # narrow's 64
+    assert table.heights_up_to(33) == table.heights_up_to(10_000) == (16, 32, 64, 128)
+    assert PrefixAttention(8, 8, 256, 16).tiles.heights_up_to(40) == (16, 32, 64)
+
+
+def test_fixed_launches_by_tokens() -> None:
+    # Bits 0-3: the 16-, 32-, 64- and 128-row kernels; bit 4: the merge.
+    pa = PrefixAttention(32, 8, 128, 16)
+    assert [pa._fixed_launches(t) for t in (1, 4, 5, 8, 9, 256)] == [
+        0b10001,
+        0b10001,
+        0b10111,
+        0b10111,
+        0b11111,
+        0b11111,
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    batches(max_requests=40, max_pages=30),
+    st.sampled_from([(32, 8), (8, 8), (28, 4), (64, 8)]),
+    st.sampled_from(PACKINGS),
+    st.booleans(),
+    st.booleans(),
+)
+def test_plans_keep_to_the_heights_of_their_tokens(
+    batch: Batch, heads: tuple[int, int], packing: str, split_kv: bool, one_wave: bool
+) -> None:
+    # What a CUDA graph captured at T tokens launches (PrefixAttention._fixed_launches)
+    # covers every plan of at most T tokens; planning checks it too (it raises otherwise).
+    pa = PrefixAttention(*heads, 128, batch.page_size)
+    pa.one_launch_in_one_wave = one_wave
+    plan = pa.plan(batch.block_table, batch.seq_lens, batch.qo_indptr, packing=packing,
+                   split_kv=split_kv)  # fmt: skip
+    rows = int(batch.qo_indptr[-1]) * heads[0] // heads[1]
+    assert {m for m, _ in plan.tiles} <= set(pa.tiles.heights_up_to(rows))
+
+
+def test_a_table_changed_after_fixed_launches_raises() -> None:
+    import dataclasses as dc
+
+    pa = PrefixAttention(32, 8, 128, 16)
+    pa._fixed_launches(2)  # as a graph capture of 2 tokens does
+    pa.tiles = dc.replace(pa.tiles, m_sizes=(128,), narrow_m_sizes=())  # one 128-row tile
+    table, lens = tree_batch("1,2_64,100", 16)
+    with pytest.raises(RuntimeError, match="`tiles` changed after a fixed-grid run"):
+        pa.plan(table, lens)
+
+
 @settings(max_examples=100, deadline=None)
 @given(batches(max_requests=40, max_pages=30), st.sampled_from(PACKINGS), st.booleans())
 def test_tiles_fit_their_items(batch: Batch, packing: str, split_kv: bool) -> None:

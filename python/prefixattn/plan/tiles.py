@@ -135,6 +135,24 @@ class TileTable:
             idx = np.where(wide, len(m) - 1, idx)
         return idx
 
+    def heights_up_to(self, rows: int) -> tuple[int, ...]:
+        """The tile heights a plan of this table may give work items of at most ``rows``
+        query rows (the narrow alternative's included), ascending: every height up to the
+        tallest such an item may take. A plan of ``T`` tokens at GQA group ``g`` uses no other
+        heights than ``heights_up_to(T * g)``, so a launch with a fixed grid (a CUDA graph
+        captured at ``T`` tokens) needs only their kernel variants.
+
+        Worked example (sm90, head_dim 128: heights 16, 32, 64, 128, wide above 32 rows;
+        narrow 16, 64): 4 rows -> (16,); 32 rows -> (16, 32, 64) (the narrow plan's 64);
+        33 rows -> all four.
+        """
+        rows = max(1, int(rows))
+        tallest = self.m_sizes[int(self.height_index(rows, max(self.wide_kv_len, 1)))]
+        if self.narrow_m_sizes:
+            fits = [m for m in self.narrow_m_sizes if m >= rows]
+            tallest = max(tallest, fits[0] if fits else self.narrow_m_sizes[-1])
+        return tuple(m for m in sorted({*self.m_sizes, *self.narrow_m_sizes}) if m <= tallest)
+
     def select(self, rows: int, kv_len: int) -> tuple[int, int]:
         """(m, n) for an item with ``rows`` query rows and ``kv_len`` KV tokens."""
         m = self.m_sizes[int(self.height_index(rows, kv_len))]
