@@ -12,9 +12,9 @@ and nothing is computed. The KV pool is the model runner's own, as for every bac
 runs the shared prefix's attention math, and nothing else, on FA3 (vLLM's build where it is
 importable, else sgl_kernel's; ``tools/prefix_floor.fa3_varlen``), the fastest dense
 attention kernel these engines ship for Hopper: every query of the batch against a fixed
-P-token K/V of the layer's KV heads (``tools/prefix_floor.py``). Any exact attention computes at least that product, so on the
-``shared1:P`` workload no backend whose prefix math is not faster than FA3's beats this
-step.
+P-token K/V of the layer's KV heads (``tools/prefix_floor.py``). Any exact attention computes
+at least that product, so on the ``shared1:P`` workload no backend whose prefix math is not
+faster than FA3's beats this step.
 
 Registration (:func:`register`) adds ``noattn`` to SGLang's backend choices
 (``add_attention_backend_choices``) and its factory to ``ATTENTION_BACKENDS``
