@@ -516,9 +516,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             pa.tiles = variant.tile_table(pa.tiles)
             plan = pa.plan(table, lens, packing=variant.packing, split_kv=variant.split_kv)
+            # A fixed grid launches what PrefixAttention.run launches under one (a CUDA
+            # graph's launches): the variants of plans of this many tokens.
+            fixed = pa.launch_options.fixed_grid and not pa.launch_options.concurrent_groups
             calls[name] = functools.partial(
                 run_plan, plan, q, k, v, out, scale, ws, pa.launch_options,
                 finish=pa.finish_in_leaf,
+                fixed_variants=pa._fixed_launches(len(q)) if fixed else -1,
             )  # fmt: skip
             if name == "prefixattn":
                 pa_main, main_plan = pa, plan
