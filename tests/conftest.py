@@ -323,3 +323,34 @@ def engine_run(
         err = (out.double() - ref).abs().max().item()
         assert err <= tol * max(ref.abs().max().item(), 1.0), (kind, err)
     return kinds
+
+
+def sglang_plugin_registers(env: dict[str, str], folder, name: str, extra: str = "") -> str:
+    """What a process spawned as SGLang spawns its scheduler sees after ``load_plugins()``
+    under ``env``: ``"registered (in the registry, in the choices[, extra])"``, where
+    ``extra`` is a Python expression evaluated there after ``from tools.sglang import
+    noattn``. Fails the test if the child fails."""
+    import subprocess
+    import sys
+
+    tail = f", {extra}" if extra else ""
+    code = (
+        "import multiprocessing as mp\n"
+        "def child(q):\n"
+        "    from sglang.srt.plugins import load_plugins\n"
+        "    load_plugins()\n"
+        "    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
+        "    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES\n"
+        "    from tools.sglang import noattn\n"
+        f"    q.put(({name!r} in ATTENTION_BACKENDS, {name!r} in ATTENTION_BACKEND_CHOICES{tail}))\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn'); q = ctx.Queue()\n"
+        "    p = ctx.Process(target=child, args=(q,)); p.start()\n"
+        "    print('registered', q.get(timeout=300)); p.join()\n"
+    )
+    script = folder / "check.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()

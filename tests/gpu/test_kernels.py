@@ -781,16 +781,28 @@ def test_cuda_graph_replays_new_plans(mode):
         num_work_items=8 * b + 1024, num_pages=num_pages, num_slots=8 * b + 1024, num_tokens=b
     )
     generation = pa.buffers_generation
-    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-    out = torch.empty_like(q)
 
-    def batch(spec, seed):
-        table, lens = tree_batch(spec, ps, seed=seed)
-        assert len(lens) == b and table.max() < num_pages
-        return table, lens
+    def same_buffers(plan):
+        assert pa.buffers_generation == generation, "reserve() was too small for this test"
 
     # Trees with 64 leaves: one shared root, two levels, nothing shared.
     specs = ["1,64_1024,100", "1,4,64_512,256,33", "64_700", "1,2,64_2048,16,300"]
+    _graph_over_specs(pa, k, v, b, specs, num_pages, gen, each=same_buffers)
+
+
+def _graph_over_specs(pa, k, v, b, specs, num_pages, gen, each=None):
+    """Capture ``pa.run`` on the plan of ``specs[0]`` (b decode tokens), then plan every
+    spec (the first one last), call ``each(plan)`` and check the graph's replay against
+    plain attention; returns q, out, table and lens of the last."""
+    q = torch.randn(b, pa.num_qo_heads, pa.head_dim, generator=gen, device=DEV)
+    q = q.to(torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def batch(spec, seed):
+        table, lens = tree_batch(spec, pa.page_size, seed=seed)
+        assert len(lens) == b and table.max() < num_pages
+        return table, lens
+
     table, lens = batch(specs[0], 0)
     pa.plan(table, lens)
     pa.run(q, k, v, out=out)  # warm-up outside the capture
@@ -800,9 +812,11 @@ def test_cuda_graph_replays_new_plans(mode):
         pa.run(q, k, v, out=out)
     for i, spec in enumerate(specs[1:] + specs[:1]):
         table, lens = batch(spec, i + 1)
-        pa.plan(table, lens)
-        assert pa.buffers_generation == generation, "reserve() was too small for this test"
+        plan = pa.plan(table, lens)
+        if each is not None:
+            each(plan)
         _replay_matches(graph, q, out, k, v, table, lens, gen, spec)
+    return q, out, table, lens
 
 
 @pytest.mark.parametrize(
@@ -824,27 +838,14 @@ def test_small_batch_graphs_launch_fewer_variants(b, specs, variants):
     k, v = make_cache(num_pages, ps, hkv, d, torch.bfloat16, "NHD", False, gen)
     pa = prefixattn.PrefixAttention(hq, hkv, d, ps, device=DEV, dtype=torch.bfloat16)
     pa.reserve(num_work_items=4096, num_pages=num_pages, num_slots=4096, num_tokens=b)
-    q = torch.randn(b, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-    out = torch.empty_like(q)
 
-    def batch(spec, seed):
-        table, lens = tree_batch(spec, ps, seed=seed)
-        assert len(lens) == b and table.max() < num_pages
-        return table, lens
-
-    table, lens = batch(specs[0], 0)
-    pa.plan(table, lens)
-    pa.run(q, k, v, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pa.run(q, k, v, out=out)
-    assert pa._fixed_launches(b) == variants
-    for i, spec in enumerate(specs[1:] + specs[:1]):
-        table, lens = batch(spec, i + 1)
-        plan = pa.plan(table, lens)
+    def within_launches(plan):
         assert {m for m, _ in plan.tiles} <= set(pa.tiles.heights_up_to(b * hq // hkv))
-        _replay_matches(graph, q, out, k, v, table, lens, gen, spec)
+
+    q, out, table, lens = _graph_over_specs(
+        pa, k, v, b, specs, num_pages, gen, each=within_launches
+    )
+    assert pa._fixed_launches(b) == variants
     # A fixed-grid run outside a graph launches the same variants.
     pa.fixed_grid = True
     out.fill_(float("nan"))

@@ -5,12 +5,12 @@ model. Its FA3 call needs a GPU and the engines: it runs in the GPU benchmarks."
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from conftest import sglang_plugin_registers
 
 from tools import prefix_floor
 from tools.sglang import bench_decode as sgl_bench
@@ -77,28 +77,9 @@ def test_sglang_floor_plugin(tmp_path) -> None:
     with pytest.raises(ValueError, match="not in 1"):
         floor_plugin_env(tmp_path / "bad", 0)
     env = floor_plugin_env(tmp_path / "plugin", 2048)
-    code = (
-        "import multiprocessing as mp\n"
-        "def child(q):\n"
-        "    from sglang.srt.plugins import load_plugins\n"
-        "    load_plugins()\n"
-        "    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
-        "    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES\n"
-        "    from tools.sglang import noattn\n"
-        "    q.put(('prefixfloor' in ATTENTION_BACKENDS,\n"
-        "           'prefixfloor' in ATTENTION_BACKEND_CHOICES, noattn.FLOOR_TOKENS))\n"
-        "if __name__ == '__main__':\n"
-        "    ctx = mp.get_context('spawn'); q = ctx.Queue()\n"
-        "    p = ctx.Process(target=child, args=(q,)); p.start()\n"
-        "    print('registered', q.get(timeout=300)); p.join()\n"
-    )
-    script = tmp_path / "check.py"
-    script.write_text(code)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "python")])
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "registered (True, True, 2048)" in done.stdout
+    got = sglang_plugin_registers(env, tmp_path, "prefixfloor", extra="noattn.FLOOR_TOKENS")
+    assert got == "registered (True, True, 2048)"
 
 
 def test_vllm_floor_backend() -> None:

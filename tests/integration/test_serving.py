@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import sglang_plugin_registers
 
 from tools import write_atomic
 from tools.serving import bench, engines
@@ -501,22 +502,4 @@ def test_sglang_bound_backend(tmp_path) -> None:
     assert backend.forward_extend(q, q, q, layer, fb) is buf and not buf.any()
     # The scheduler is a spawned process: it must find the backend through load_plugins().
     env = noattn.plugin_env(tmp_path / "plugin")
-    code = (
-        "import multiprocessing as mp\n"
-        "def child(q):\n"
-        "    from sglang.srt.plugins import load_plugins\n"
-        "    load_plugins()\n"
-        "    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
-        "    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES\n"
-        "    q.put(('noattn' in ATTENTION_BACKENDS, 'noattn' in ATTENTION_BACKEND_CHOICES))\n"
-        "if __name__ == '__main__':\n"
-        "    ctx = mp.get_context('spawn'); q = ctx.Queue()\n"
-        "    p = ctx.Process(target=child, args=(q,)); p.start()\n"
-        "    print('registered', q.get(timeout=300)); p.join()\n"
-    )
-    script = tmp_path / "check.py"
-    script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "registered (True, True)" in done.stdout
+    assert sglang_plugin_registers(env, tmp_path, "noattn") == "registered (True, True)"

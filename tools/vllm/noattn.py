@@ -97,17 +97,9 @@ class PrefixFloorImpl(NoAttentionImpl):
         self.floor_cu_q = torch.zeros(2, dtype=torch.int32, device=device)
 
     def forward(
-        self,
-        layer: Any,
-        query: Any,
-        key: Any,
-        value: Any,
-        kv_cache: Any,
-        attn_metadata: Any,
-        output: Any,
-        output_scale: Any = None,
-        output_block_scale: Any = None,
-    ) -> Any:
+        self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
+        output: Any, *args: Any, **kwargs: Any,
+    ) -> Any:  # fmt: skip
         """Decode steps (every request one query token): FA3 of all of ``query``'s rows
         (padded ones included) against the layer's fixed prefix, into ``output``; other
         steps: zeros, as the bound."""
