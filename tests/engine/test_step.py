@@ -359,3 +359,41 @@ def test_an_engine_run_equals_plain_attention(
     # Most steps planned from the hint, some of them advanced, some caught by the check.
     assert kinds.get("hinted", 0) > 10 and kinds.get("hinted-fallback", 0) > 0
     assert advances["advanced"] > 0
+
+
+def test_continued_rows_follow_moved_requests() -> None:
+    cr = step.continued_rows
+    # SGLang closes the gap in order; a new request comes last.
+    assert cr([100, 200, 300, 400], [100, 300, 400, 7], 16).tolist() == [0, 2, 3, -1]
+    # vLLM moves its last row into the gap.
+    assert cr([100, 200, 300, 400], [101, 401, 301], 16).tolist() == [0, 3, 2]
+    # A decode run some steps on, and rejected draft tokens (speculative decoding).
+    assert cr([100, 200], [109, 197], 16).tolist() == [0, 1]
+    # A new request in a left one's row; rows without a request (0) continue nothing.
+    assert cr([100, 0, 300], [2000, 5, 300], 16).tolist() == [-1, -1, 2]
+    assert cr([], [5, 6], 16).tolist() == [-1, -1]
+
+
+def test_hinted_plans_follow_rows_that_moved() -> None:
+    # Step 1 copies the table; at step 2 the request of row 1 has left and the engine moved
+    # its last request into row 1 (one token on for every request). The hint's rows are
+    # realigned by length, so the step keeps its shared plan instead of falling back.
+    planner = _planner()
+
+    def rows(*heads: tuple[int, int]) -> list[list[int]]:  # 2 prefix pages, 18 private
+        return [[a, b, *range(100 * (i + 1), 100 * (i + 1) + 18)] for i, (a, b) in enumerate(heads)]
+
+    r0, r1, r2, r3 = rows((1, 2), (1, 2), (1, 3), (4, 5))
+    first = Batch([r0, r1, r2, r3])
+    first.seq_lens = np.asarray([9, 30, 50, 70], np.int32)
+    run_step(planner, first)
+    run_step(planner, first)  # the hint of step 1 is taken from here on
+    moved = Batch([r0, r3, r2])
+    moved.seq_lens = np.asarray([10, 71, 51], np.int32)
+    plan = run_step(planner, moved)
+    assert kind(plan) == "hinted"
+    assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+    # A new request in the row of one that left reads its pages privately: no fallback.
+    new = Batch([r0, [20, 21, 22, *range(900, 917)], r2])
+    new.seq_lens = np.asarray([11, 5, 52], np.int32)
+    assert kind(run_step(planner, new)) == "hinted"

@@ -93,6 +93,7 @@ class TableHint:
 
     def __init__(self) -> None:
         self._hint: np.ndarray | None = None
+        self._lens: np.ndarray | None = None  # the hint rows' lengths when copied
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._pending: tuple[int, int, np.ndarray, int] | None = None  # rows, cols, lens, ps
@@ -103,10 +104,17 @@ class TableHint:
         self._poll()
         return self._hint
 
+    @property
+    def lens(self) -> np.ndarray | None:
+        """int64 [rows]: each row's request length when the hint :meth:`take` last returned
+        was copied (0 for rows without one), or None."""
+        return self._lens
+
     def observe(self, table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> None:
         """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
         of each are its pages). A copy still in flight is older: it is dropped once landed."""
         self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size))
+        self._lens = _row_lens(seq_lens, self._hint.shape[0])
         self._superseded = self._pending is not None
 
     def start(self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
@@ -142,6 +150,7 @@ class TableHint:
         assert self._pinned is not None
         table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
         self._hint = _read_only(_mask_unused(table, lens, page_size))
+        self._lens = _row_lens(lens, rows)
 
 
 def _read_only(table: np.ndarray) -> np.ndarray:
@@ -149,6 +158,15 @@ def _read_only(table: np.ndarray) -> np.ndarray:
     what they derived from it."""
     table.flags.writeable = False
     return table
+
+
+def _row_lens(seq_lens: np.ndarray, rows: int) -> np.ndarray:
+    """int64 [rows]: ``seq_lens`` of the first rows, 0 past them."""
+    out = np.zeros(rows, np.int64)
+    n = min(rows, len(seq_lens))
+    out[:n] = np.asarray(seq_lens, dtype=np.int64)[:n]
+    out.flags.writeable = False
+    return out
 
 
 def _mask_unused(table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:

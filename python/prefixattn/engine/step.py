@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch.profiler import record_function
 
@@ -146,6 +147,58 @@ HINT_REFRESH_STEPS = 16
 :meth:`StepPlanner.plan_device`)."""
 
 
+def continued_rows(then: npt.ArrayLike, computed: npt.ArrayLike, max_gain: int) -> np.ndarray:
+    """The hint row each current request continues (-1: none known), by lengths alone.
+
+    ``then``: each hint row's request length when the hint was copied (0: no request);
+    ``computed``: each current request's tokens before this step (its length minus its new
+    tokens). A request continues hint row j when ``|computed - then[j]| <= max_gain``: the
+    tokens it took since the copy, or fewer where draft tokens were rejected (speculative
+    decoding). Its own row is tried first; then, as engines move rows
+    when requests leave (SGLang closes the gaps in order; vLLM moves its last rows into
+    them), the hint rows no request stayed on: in order from the last one taken (up to 8
+    rows ahead), then any (the last of those with the smallest difference). The result only says
+    which pages a request is believed to have: a wrong guess costs the step its shared plan
+    (the device check falls back), never a wrong result.
+
+    Worked example: ``then`` [100, 200, 300, 400], ``computed`` [100, 300, 400, 7] (the
+    request of row 1 left, the others moved up, a new one came) -> [0, 2, 3, -1].
+    """
+    then = np.asarray(then, dtype=np.int64)
+    computed = np.asarray(computed, dtype=np.int64)
+    r, b = len(then), len(computed)
+    out = np.full(b, -1, dtype=np.int64)
+    k = min(r, b)
+    gain = np.abs(computed[:k] - then[:k])
+    stay = (then[:k] > 0) & (gain <= max_gain)
+    out[:k][stay] = np.flatnonzero(stay)
+    free = then > 0
+    free[out[out >= 0]] = False
+    todo = np.flatnonzero(out < 0)
+    if not len(todo) or not free.any():
+        return out
+    order = np.flatnonzero(free).tolist()
+    pos = 0
+    left: dict[int, list[int]] = {}
+    for i in todo.tolist():
+        for j in order[pos : pos + 8]:  # in order, as SGLang keeps its requests
+            if free[j] and abs(computed[i] - then[j]) <= max_gain:
+                out[i], free[j], pos = j, False, order.index(j) + 1
+                break
+    todo = np.flatnonzero(out < 0)
+    if not len(todo) or not free.any():
+        return out
+    for j in np.flatnonzero(free).tolist():
+        left.setdefault(int(then[j]), []).append(j)
+    for i in todo.tolist():
+        for g in sorted(range(-max_gain, max_gain + 1), key=abs):
+            rows = left.get(int(computed[i]) - g)
+            if rows:
+                out[i] = rows.pop()  # the last: vLLM moves its last rows into the gaps
+                break
+    return out
+
+
 def configure(**changes: Any) -> StepOptions:
     """Set process-wide defaults for the :class:`StepPlanner` objects created afterwards, e.g.
     ``configure(hinted_plans=False)``; returns the new defaults. Engines that start worker
@@ -255,7 +308,7 @@ class StepPlanner:
         """Plans the steps that may be replayed from captured graphs (:meth:`reserve_graphs`
         creates it)."""
         self._eager: PrefixAttention | None = None
-        self._hint_view: tuple[np.ndarray, int, np.ndarray] | None = None
+        self._hint_view: tuple[np.ndarray, bytes, np.ndarray] | None = None
         self._hint_run: tuple[tuple[int, bytes | None], np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
@@ -378,15 +431,7 @@ class StepPlanner:
                 plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
             elif choice.kind == "hinted":
                 assert choice.hint is not None
-                hint = choice.hint
-                if rows is None:
-                    # Requests past num_real read the engine's padding rows, whose entries in
-                    # the hint (an earlier, larger batch's rows) are stale: unknown. The same
-                    # view each step of a decode run, so the planner can keep its table.
-                    view = self._hint_view
-                    if view is None or view[0] is not hint or view[1] != num_real:
-                        view = self._hint_view = (hint, num_real, hint[:num_real])
-                    hint = view[2]
+                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real)
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
@@ -407,6 +452,38 @@ class StepPlanner:
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size)
         return plan
+
+    def _aligned_hint(
+        self, hint: np.ndarray, seq_lens: np.ndarray, qo_indptr: np.ndarray | None, num_real: int
+    ) -> np.ndarray:
+        """The hint's rows of the step's real requests, in their order: row b is the hint
+        row request b continues (:func:`continued_rows`), -1 throughout for requests none
+        describes (new ones, or ones that moved where no row matches). Requests past
+        ``num_real`` read the engine's padding rows, which no hint describes. The same array
+        each step the alignment repeats (a decode run), so the planner can keep what it
+        derived from it."""
+        lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
+        new: np.ndarray = np.ones(num_real, dtype=np.int64)
+        if qo_indptr is not None:
+            new = np.diff(np.asarray(qo_indptr, dtype=np.int64))[:num_real]
+        then = self.table_hint.lens
+        if then is None or len(then) != hint.shape[0]:
+            then = np.zeros(hint.shape[0], np.int64)
+        source = continued_rows(then, lens - new, HINT_REFRESH_STEPS)
+        key = source.tobytes()
+        view = self._hint_view
+        if view is not None and view[0] is hint and view[1] == key:
+            return view[2]
+        k = min(num_real, hint.shape[0])
+        if np.array_equal(source[:k], np.arange(k)) and (source[k:] < 0).all() and k == num_real:
+            aligned = hint[:num_real]
+        else:
+            aligned = np.full((num_real, hint.shape[1]), -1, dtype=hint.dtype)
+            known = source >= 0
+            aligned[known] = hint[source[known]]
+            aligned.flags.writeable = False
+        self._hint_view = (hint, key, aligned)
+        return aligned
 
     def _hint_is_current(self, seq_lens: np.ndarray, rows: Any, num_real: int) -> bool:
         """True while the batch is the one whose rows were last looked at, every request some
