@@ -177,17 +177,19 @@ def continued_rows(then: npt.ArrayLike, computed: npt.ArrayLike, max_gain: int) 
     todo = np.flatnonzero(out < 0)
     if not len(todo) or not free.any():
         return out
+    # In order, as SGLang keeps its requests: the rows past the last one taken are all free.
     order = np.flatnonzero(free).tolist()
     pos = 0
-    left: dict[int, list[int]] = {}
     for i in todo.tolist():
-        for j in order[pos : pos + 8]:  # in order, as SGLang keeps its requests
-            if free[j] and abs(computed[i] - then[j]) <= max_gain:
-                out[i], free[j], pos = j, False, order.index(j) + 1
+        for p in range(pos, min(pos + 8, len(order))):
+            j = order[p]
+            if abs(computed[i] - then[j]) <= max_gain:
+                out[i], free[j], pos = j, False, p + 1
                 break
     todo = np.flatnonzero(out < 0)
     if not len(todo) or not free.any():
         return out
+    left: dict[int, list[int]] = {}
     for j in np.flatnonzero(free).tolist():
         left.setdefault(int(then[j]), []).append(j)
     for i in todo.tolist():
@@ -466,16 +468,14 @@ class StepPlanner:
         new: np.ndarray = np.ones(num_real, dtype=np.int64)
         if qo_indptr is not None:
             new = np.diff(np.asarray(qo_indptr, dtype=np.int64))[:num_real]
-        then = self.table_hint.lens
-        if then is None or len(then) != hint.shape[0]:
-            then = np.zeros(hint.shape[0], np.int64)
+        then = self.table_hint.lens  # set with every hint, one length per row
+        assert then is not None and len(then) == hint.shape[0]
         source = continued_rows(then, lens - new, HINT_REFRESH_STEPS)
         key = source.tobytes()
         view = self._hint_view
         if view is not None and view[0] is hint and view[1] == key:
             return view[2]
-        k = min(num_real, hint.shape[0])
-        if np.array_equal(source[:k], np.arange(k)) and (source[k:] < 0).all() and k == num_real:
+        if hint.shape[0] >= num_real and np.array_equal(source, np.arange(num_real)):
             aligned = hint[:num_real]
         else:
             aligned = np.full((num_real, hint.shape[1]), -1, dtype=hint.dtype)

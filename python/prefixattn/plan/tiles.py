@@ -148,9 +148,9 @@ class TileTable:
         """
         rows = max(1, int(rows))
         tallest = self.m_sizes[int(self.height_index(rows, max(self.wide_kv_len, 1)))]
-        if self.narrow_m_sizes:
-            fits = [m for m in self.narrow_m_sizes if m >= rows]
-            tallest = max(tallest, fits[0] if fits else self.narrow_m_sizes[-1])
+        narrow = self.narrow()
+        if narrow is not None:
+            tallest = max(tallest, narrow.m_sizes[int(narrow.height_index(rows, 1))])
         return tuple(m for m in sorted({*self.m_sizes, *self.narrow_m_sizes}) if m <= tallest)
 
     def select(self, rows: int, kv_len: int) -> tuple[int, int]:
