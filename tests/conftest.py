@@ -255,7 +255,9 @@ def engine_run(
 ) -> dict[str, int]:
     """40 steps as an engine makes them, planned by a ``StepPlanner``: decode runs, requests
     that finish and join (with a prefill chunk, under one of three shared prefixes), rows
-    that move. Each step's attention must equal plain attention over the table within
+    that move, requests whose pages were all replaced (preempted, their prefix evicted from
+    the cache, and resumed: the same lengths on other pages, sharing nothing, which only
+    the device check catches). Each step's attention must equal plain attention over the table within
     ``tol`` (relative to its largest value). Returns how many steps took each plan kind
     (``"hinted-fallback"``: the device check failed)."""
     from prefixattn import PrefixAttention, attention_reference
@@ -289,6 +291,11 @@ def engine_run(
             requests.pop(int(rng.integers(0, len(requests))))
         elif event < 0.35 and event >= 0.3:  # rows move
             requests = [requests[i] for i in rng.permutation(len(requests))]
+        elif event < 0.45 and event >= 0.35:  # a request resumes on new pages
+            i = int(rng.integers(0, len(requests)))
+            pages, length = requests[i]
+            requests[i] = (list(range(next_page, next_page + len(pages))), length)
+            next_page += len(pages)
         new_tokens = [1] * len(requests)
         if 0.15 <= event < 0.3:  # a request joins with a prefill chunk
             pages, length = new_request()

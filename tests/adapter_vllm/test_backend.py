@@ -8,6 +8,7 @@ speculative verification (2-5 tokens) and prefill/extend chunks (longer, up to a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -497,3 +498,38 @@ def test_decode_run_advances_plans(vllm_config: VllmConfig, advances: dict[str, 
     # Two plans (the hinted one and its fallback) per step from the third step on, except
     # the hinted plan of the third step: the table copied at the second is the new hint.
     assert advances["advanced"] == 2 * (steps - 2) - 1 and advances["refused"] == 0
+
+
+def test_hints_follow_the_runner_request_ids(vllm_config: VllmConfig) -> None:
+    """vLLM's model runner gives each row's request-state index (``req_idx``): a hinted step
+    whose rows were reordered keeps its shared plan, each request reading the hint row of
+    its own index. Every request has the same length, so lengths alone could not tell."""
+    rng = torch.Generator().manual_seed(5)
+    batch = Batch(rng, 16, 8, False)
+    batch.seq_lens[:] = int(batch.seq_lens.min())
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    ids: np.ndarray | None = np.arange(20, 28)
+
+    def step(order: list[int], grown: int) -> LaunchPlan:
+        cm = batch.metadata(host_lens=True)
+        lens = cm.seq_lens[order] + grown
+        with_ids = ids[order] if ids is not None else None
+        cm = dataclasses.replace(
+            cm, block_table_tensor=cm.block_table_tensor[order], seq_lens=lens,
+            seq_lens_cpu_upper_bound=lens.clone(), max_seq_len=int(lens.max()),
+            req_idx=with_ids,
+        )  # fmt: skip
+        return builder.build(0, cm).plan
+
+    same = list(range(8))
+    assert _kind(step(same, 0)) == "copy"
+    assert _kind(step(same, 1)) == "hinted"
+    moved = [3, 0, 7, 1, 6, 2, 5, 4]
+    assert _kind(step(moved, 2)) == "hinted"
+    assert builder.planner.hint_rows["moved"] == 8  # every request on another row
+    # Without ids the equal lengths keep every request on its row: the check catches it.
+    ids = None
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    assert [_kind(step(same, 0)), _kind(step(same, 1)), _kind(step(moved, 2))] == [
+        "copy", "hinted", "hinted-fallback"
+    ]  # fmt: skip

@@ -105,6 +105,71 @@ def test_plan_methods_follow_the_batches_seen() -> None:
     assert planner.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
 
 
+def test_counts_of_fallbacks_and_hint_rows(monkeypatch, caplog) -> None:
+    """With count_fallbacks the planner counts the hinted steps whose device check failed and
+    logs its counts every COUNT_LOG_STEPS planned steps; without, it touches no device count."""
+    monkeypatch.setattr(step, "COUNT_LOG_STEPS", 4)
+    planner = _planner(count_fallbacks=True)
+    seq = [SHARED, SHARED, PRIVATE, PRIVATE, SHARED, SHARED, PRIVATE]
+    with caplog.at_level("WARNING", logger="prefixattn"):
+        for b in seq:
+            run_step(planner, b)
+    counts = planner.counts()
+    assert counts["plans"] == {"copy": 1, "unshared": 2, "hinted": 4}
+    assert counts["fallbacks"] == 2  # steps 3 and 7 (kinds above)
+    # Every request of a hinted step here keeps its row (same count, lengths that match).
+    assert counts["hint_rows"] == {"kept": 16, "moved": 0, "unknown": 0}
+    logged = [r.getMessage() for r in caplog.records if "planner counts" in r.getMessage()]
+    assert len(logged) == 1 and "'fallbacks': 1" in logged[0]  # after step 4 (3 device plans)
+    quiet = _planner()
+    for b in seq:
+        run_step(quiet, b)
+    assert "fallbacks" not in quiet.counts()
+
+
+def _rows(*heads: tuple[int, int]) -> list[list[int]]:
+    """Block-table rows of 2 prefix pages (the given ids) and 18 private pages each."""
+    return [[a, b, *range(100 * (i + 1), 100 * (i + 1) + 18)] for i, (a, b) in enumerate(heads)]
+
+
+def _step(rows: list[list[int]], lens: list[int]) -> Batch:
+    batch = Batch(rows)
+    batch.seq_lens = np.asarray(lens, np.int32)
+    return batch
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_moved_rows_are_counted(with_ids: bool) -> None:
+    """SGLang's order: the request of row 1 left, the others moved up one row, a new request
+    came last. By lengths or by the engine's request ids, the step keeps its shared plan."""
+    planner = _planner()
+    r0, r1, r2, r3 = _rows((1, 2), (1, 2), (1, 3), (4, 5))
+    ids = np.asarray([7, 8, 9, 10]) if with_ids else None
+    first = _step([r0, r1, r2, r3], [9, 30, 50, 70])
+    for _ in range(2):  # the first copies its table, the second's rows become the hint
+        plan_with_ids(planner, first, ids)
+    new = [4, 5, 6, *range(900, 917)]
+    moved = _step([r0, r2, r3, new], [11, 52, 72, 5])
+    new_ids = None if ids is None else np.asarray([7, 9, 10, 3])
+    plan = plan_with_ids(planner, moved, new_ids)
+    assert kind(plan) == "hinted"
+    assert planner.hint_rows == {"kept": 4 + 1, "moved": 2, "unknown": 1}
+
+
+def plan_with_ids(planner: StepPlanner, batch: Batch, ids: np.ndarray | None) -> LaunchPlan:
+    """:func:`run_step` for an engine that gives request ids."""
+    choice = planner.choose(batch.num_real, decode=True)
+    attention = planner.attention_for(graph=False)
+    if choice.device_table:
+        return planner.plan_device(
+            attention, choice, torch.from_numpy(batch.table), batch.seq_lens,
+            num_real=batch.num_real, ids=ids,
+        )  # fmt: skip
+    return planner.plan_host(
+        attention, batch.table, batch.seq_lens, num_real=batch.num_real, ids=ids
+    )
+
+
 def test_no_sharing_gives_unshared_plans() -> None:
     planner = _planner()
     assert kind(run_step(planner, PRIVATE)) == "copy"  # nothing seen yet
@@ -322,9 +387,11 @@ def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> N
     copies: list[int] = []
     real_start = planner.table_hint.start
 
-    def start(table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
+    def start(
+        table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: object = None
+    ) -> None:
         copies.append(len(seq_lens))
-        real_start(table, seq_lens, page_size)
+        real_start(table, seq_lens, page_size, ids)
 
     monkeypatch.setattr(planner.table_hint, "start", start)
     tail = [40, 41, 42, 43, 44, 45]
@@ -363,15 +430,44 @@ def test_an_engine_run_equals_plain_attention(
 
 def test_continued_rows_follow_moved_requests() -> None:
     cr = step.continued_rows
-    # SGLang closes the gap in order; a new request comes last.
+    # SGLang (and vLLM's model runner) close the gap in order; a new request comes last.
     assert cr([100, 200, 300, 400], [100, 300, 400, 7], 16).tolist() == [0, 2, 3, -1]
     # vLLM moves its last row into the gap.
     assert cr([100, 200, 300, 400], [101, 401, 301], 16).tolist() == [0, 3, 2]
+    # In a decode run (every request 3 tokens on) a new request never takes a left row,
+    # however close its length.
+    assert cr([100, 200, 300, 400], [103, 303, 403, 205], 16).tolist() == [0, 2, 3, -1]
     # A decode run some steps on, and rejected draft tokens (speculative decoding).
     assert cr([100, 200], [109, 197], 16).tolist() == [0, 1]
     # A new request in a left one's row; rows without a request (0) continue nothing.
     assert cr([100, 0, 300], [2000, 5, 300], 16).tolist() == [-1, -1, 2]
     assert cr([], [5, 6], 16).tolist() == [-1, -1]
+    # By request ids: a reused id whose length fell is a new request.
+    assert cr([100, 200, 300], [300, 101, 50], 16, [5, 6, 7], [7, 5, 6]).tolist() == [2, 0, -1]
+
+
+def test_continued_rows_prefer_the_gap_closing_shift() -> None:
+    """Requests with equal lengths do not hijack a row: after a gap every request continues
+    the row after its own (the run of exact gains), even where its own row's length would
+    match too."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(8, 257))
+        then = rng.integers(2100, 2600, n)
+        gone = rng.choice(n, int(rng.integers(1, 4)), replace=False)
+        stay = np.setdiff1d(np.arange(n), gone)
+        gain = int(rng.integers(0, 16))
+        computed = np.concatenate([then[stay] + gain, [2048, 2048]])  # two new requests
+        got = step.continued_rows(then, computed, 16)
+        assert (got[len(stay) :] == -1).all()
+        # Exact equal lengths next to a gap may still mislead one request (rare).
+        assert np.count_nonzero(got[: len(stay)] != stay) <= 1
+    # An equal length in a moved request's own row: the shift wins.
+    then = np.asarray([100, 200, 300, 400, 500, 600])
+    computed = np.asarray([100, 300, 400, 400, 600]) + 2  # row 1 left; row 3 equals row 4
+    then[3] = 402 - 2
+    then[4] = 402 - 2
+    assert step.continued_rows(then, computed, 16).tolist() == [0, 2, 3, 4, 5]
 
 
 def test_hinted_plans_follow_rows_that_moved() -> None:

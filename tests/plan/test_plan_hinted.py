@@ -226,7 +226,7 @@ def test_table_hint_masks_pages_past_each_length() -> None:
 
 def test_table_hint_drops_a_copy_older_than_an_observed_table() -> None:
     hint = TableHint()
-    hint._pending = (1, 1, np.array([1]), 1)  # a copy in flight (as after start on a GPU)
+    hint._pending = (1, 1, np.array([1]), 1, None)  # a copy in flight (as after start on a GPU)
 
     class _Landed:
         def query(self) -> bool:

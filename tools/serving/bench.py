@@ -13,7 +13,7 @@ Backends (``--backends``, default all of the engine's):
   (``tools/sglang/noattn.py``, ``noattn``, reaching the scheduler through a plugin entry point
   put on the bound engine's ``PYTHONPATH`` only).
 
-``prefixattn`` may carry core options after ``+`` (``prefixattn+split_waves``;
+``prefixattn`` may carry options after ``+`` (``prefixattn+split_waves``;
 ``tools/variants.py``): vLLM takes them in ``additional_config``, SGLang's scheduler from a
 plugin (``tools/sglang/core_options.py``).
 

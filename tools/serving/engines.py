@@ -236,7 +236,7 @@ class VllmDriver(Driver):
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``AsyncLLM`` online (engine core forked)."""
 
     def __init__(self, backend: str, args: Any) -> None:
-        base, core_options = parse_variant(backend, ours="prefixattn")
+        base, changes = parse_variant(backend, ours="prefixattn")
         attention = {"prefixattn": "CUSTOM", "bound": "NOATTN"}.get(base, base)
         if backend == "bound":
             from tools.vllm.noattn import register
@@ -248,8 +248,8 @@ class VllmDriver(Driver):
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=True, seed=0,
         )  # fmt: skip
-        if core_options:
-            kwargs["additional_config"] = {"prefixattn": {"core_options": core_options}}
+        if changes:
+            kwargs["additional_config"] = {"prefixattn": changes}
         if getattr(args, "profile", None) is not None:  # traces of this backend's runs
             kwargs["profiler_config"] = {
                 "profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,

@@ -32,7 +32,7 @@ triton's metadata path, no KV reads or writes, no attention math; registered in 
 processes only); the results then give each backend's step as a percent of the bound's; and
 ``prefixfloor``, the bound plus the shared prefix's attention math on FA3
 (``tools/prefix_floor.py``), with one ``shared1:P`` workload only. A
-backend name may carry core options after ``+`` (``prefixattn+split_waves``;
+backend name may carry options after ``+`` (``prefixattn+split_waves``;
 ``tools/variants.py``), set in that engine's processes by a plugin
 (``tools/sglang/core_options.py``).
 

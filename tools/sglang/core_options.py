@@ -1,4 +1,5 @@
-"""Core options for SGLang's prefixattn backend in a benchmark's engine (every process).
+"""Step and core options for SGLang's prefixattn backend in a benchmark's engine (every
+process).
 
 SGLang builds its attention backend in spawned scheduler processes and has no per-backend
 settings; :func:`prefixattn.engine.step.configure` must run in each of them before the
@@ -23,17 +24,19 @@ ENTRY_POINT = "prefixattn_bench_core_options"
 
 
 def plugin_env(
-    folder: Path, core_options: dict[str, Any], base: dict[str, str] | None = None
+    folder: Path, changes: dict[str, Any], base: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """Write the plugin (a module that calls ``configure(core_options=...)`` and its
-    ``*.dist-info``) into ``folder``; return ``base`` (default ``os.environ``) with ``folder``
+    """Write the plugin (a module that calls ``configure(**changes)``, with
+    :class:`~prefixattn.engine.step.StepOptions` changes as
+    :func:`tools.variants.parse_variant` gives them, and its ``*.dist-info``) into
+    ``folder``; return ``base`` (default ``os.environ``) with ``folder``
     and the repository root first on ``PYTHONPATH`` and the entry point added to
     ``SGLANG_PLUGINS`` when that whitelist is set."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{MODULE}.py").write_text(
         "import json\n\nfrom prefixattn.engine.step import configure\n\n"
-        f"OPTIONS = json.loads({json.dumps(core_options)!r})\n\n\n"
-        "def register() -> None:\n    configure(core_options=OPTIONS)\n"
+        f"CHANGES = json.loads({json.dumps(changes)!r})\n\n\n"
+        "def register() -> None:\n    configure(**CHANGES)\n"
     )
     return plugin_distribution(folder, DIST, ENTRY_POINT, f"{MODULE}:register", base)
 
@@ -44,7 +47,7 @@ def engine_env(
     """The environment of ``backend``'s SGLang engine, which all its processes inherit: with
     ``bound``, the attention-free bound's plugin (``folder/noattn-plugin``,
     ``tools/sglang/noattn.py``); with ``floor_tokens``, the ``prefixfloor`` plugin of that
-    prefix length (``folder/floor-plugin``); for a variant with core options
+    prefix length (``folder/floor-plugin``); for a variant with options
     (``tools/variants.py``), a plugin that sets them (``folder/core-options``); else None (the
     benchmark's own)."""
     if bound:
@@ -55,5 +58,5 @@ def engine_env(
         from tools.sglang.noattn import floor_plugin_env
 
         return floor_plugin_env(folder / "floor-plugin", floor_tokens)
-    _, core_options = parse_variant(backend)
-    return plugin_env(folder / "core-options", core_options) if core_options else None
+    _, changes = parse_variant(backend)
+    return plugin_env(folder / "core-options", changes) if changes else None

@@ -19,8 +19,8 @@ registered in the worker process, so with it in the run every backend's engine c
 its worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), alike. ``PREFIXFLOOR`` is the bound
 plus the shared prefix's attention math on FA3 (``tools/prefix_floor.py``), with
 ``--workloads shared1`` only (its prefix is ``--prefix``). A backend name may carry
-core options after ``+`` (``CUSTOM+split_waves``; ``tools/variants.py``), passed as
-``additional_config={"prefixattn": {"core_options": ...}}``.
+options after ``+`` (``CUSTOM+split_waves``; ``tools/variants.py``), passed as
+``additional_config={"prefixattn": ...}``.
 
 Prefix caching is on (vLLM's default), so a shared prefix is stored once. Decode step time, per
 workload: one generation with ``max_tokens=1`` stores every prompt in the prefix cache; then
@@ -152,15 +152,15 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.profile:
         profiler = {"profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
                     "torch_profiler_dir": str(Path(args.profile).resolve() / args.worker)}  # fmt: skip
-    backend, core_options = parse_variant(args.worker)
-    extra = {"additional_config": {"prefixattn": {"core_options": core_options}}}
+    backend, changes = parse_variant(args.worker)
+    extra = {"additional_config": {"prefixattn": changes}}
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model, load_format="dummy", skip_tokenizer_init=True,
         attention_backend=backend, gpu_memory_utilization=args.gpu_mem,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
         enable_prefix_caching=True, seed=0, compilation_config=compilation or None,
-        profiler_config=profiler, **(extra if core_options else {}),
+        profiler_config=profiler, **(extra if changes else {}),
     )  # fmt: skip
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
     out["info"] = llm.collective_rpc(worker_info)[0]

@@ -19,6 +19,8 @@ the device and falls back to per-request work items where it is wrong.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -94,9 +96,11 @@ class TableHint:
     def __init__(self) -> None:
         self._hint: np.ndarray | None = None
         self._lens: np.ndarray | None = None  # the hint rows' lengths when copied
+        self._ids: np.ndarray | None = None  # the hint rows' request ids, if the engine gave them
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
-        self._pending: tuple[int, int, np.ndarray, int] | None = None  # rows, cols, lens, ps
+        # rows, cols, lens, page size, ids
+        self._pending: tuple[int, int, np.ndarray, int, np.ndarray | None] | None = None
         self._superseded = False  # a newer table was observed while the copy was in flight
 
     def take(self) -> np.ndarray | None:
@@ -110,18 +114,31 @@ class TableHint:
         was copied (0 for rows without one), or None."""
         return self._lens
 
-    def observe(self, table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> None:
+    @property
+    def ids(self) -> np.ndarray | None:
+        """int64 [rows]: each row's request id (the engine's, stable while the request runs)
+        when that hint was copied, or None where the engine gave none."""
+        return self._ids
+
+    def observe(
+        self, table: np.ndarray, seq_lens: np.ndarray, page_size: int, ids: Any = None
+    ) -> None:
         """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
-        of each are its pages). A copy still in flight is older: it is dropped once landed."""
+        of each are its pages; ``ids``: their request ids, optional). A copy still in flight
+        is older: it is dropped once landed."""
         self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size))
         self._lens = _row_lens(seq_lens, self._hint.shape[0])
+        self._ids = _row_ids(ids, self._hint.shape[0])
         self._superseded = self._pending is not None
 
-    def start(self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int) -> None:
-        """Copy ``table`` (rows = requests, on any device) to the host without waiting; it
-        becomes the hint once landed. Does nothing while an earlier copy is in flight."""
+    def start(
+        self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: Any = None
+    ) -> None:
+        """Copy ``table`` (rows = requests, on any device; ``ids``: their request ids,
+        optional) to the host without waiting; it becomes the hint once landed. Does nothing
+        while an earlier copy is in flight."""
         if not table.is_cuda:
-            self.observe(table.cpu().numpy(), seq_lens, page_size)
+            self.observe(table.cpu().numpy(), seq_lens, page_size, ids)
             return
         self._poll()
         if self._pending is not None:
@@ -137,12 +154,14 @@ class TableHint:
         assert self._event is not None
         self._pinned[: rows * cols].view(rows, cols).copy_(table, non_blocking=True)
         self._event.record()
-        self._pending = (rows, cols, np.array(seq_lens, dtype=np.int64), page_size)
+        self._pending = (
+            rows, cols, np.array(seq_lens, dtype=np.int64), page_size, _row_ids(ids, rows)
+        )  # fmt: skip
 
     def _poll(self) -> None:
         if self._pending is None or self._event is None or not self._event.query():
             return
-        rows, cols, lens, page_size = self._pending
+        rows, cols, lens, page_size, ids = self._pending
         self._pending = None
         if self._superseded:
             self._superseded = False
@@ -151,6 +170,7 @@ class TableHint:
         table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
         self._hint = _read_only(_mask_unused(table, lens, page_size))
         self._lens = _row_lens(lens, rows)
+        self._ids = ids
 
 
 def _read_only(table: np.ndarray) -> np.ndarray:
@@ -165,6 +185,18 @@ def _row_lens(seq_lens: np.ndarray, rows: int) -> np.ndarray:
     out = np.zeros(rows, np.int64)
     n = min(rows, len(seq_lens))
     out[:n] = np.asarray(seq_lens, dtype=np.int64)[:n]
+    out.flags.writeable = False
+    return out
+
+
+def _row_ids(ids: Any, rows: int) -> np.ndarray | None:
+    """int64 [rows] copy of the first ``rows`` request ids (None: none given); a length that
+    is not ``rows`` raises."""
+    if ids is None:
+        return None
+    out = np.array(ids, dtype=np.int64).reshape(-1)
+    if len(out) != rows:
+        raise ValueError(f"prefixattn: {len(out)} request ids for {rows} table rows")
     out.flags.writeable = False
     return out
 

@@ -28,6 +28,7 @@ constructor argument; otherwise from the process-wide defaults set by :func:`con
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 StepKind = Literal["copy", "unshared", "hinted"]
+
+logger = logging.getLogger("prefixattn")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -107,6 +110,13 @@ class StepOptions:
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
     core's :func:`~prefixattn.decode_slots_per_token` for the engine's context length."""
 
+    count_fallbacks: bool = False
+    """Diagnostics: count the hinted steps whose device check failed (the step ran the
+    per-request fallback) and log :meth:`StepPlanner.counts` every :data:`COUNT_LOG_STEPS`
+    planned steps (logger ``prefixattn``, level WARNING, so engines that configure no logging
+    show it too). Costs one device add per hinted step and one read of the count (a wait for
+    the GPU) per log line; off by default."""
+
     core_options: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )
@@ -117,6 +127,7 @@ class StepOptions:
     _CHECKS: ClassVar[dict[str, Callable[[str, Any], None]]] = {
         "unshared_plans": _check_bool,
         "hinted_plans": _check_bool,
+        "count_fallbacks": _check_bool,
         "graph_slots_per_token": _check_slots,
         "core_options": _check_core,
     }
@@ -142,24 +153,46 @@ class StepOptions:
 
 _defaults = StepOptions()
 
+COUNT_LOG_STEPS = 200
+"""With :attr:`StepOptions.count_fallbacks`, :class:`StepPlanner` logs its counts every this many
+planned steps."""
+
 HINT_REFRESH_STEPS = 16
 """A decode run reuses the hint copied at its start for at most this many steps (see
 :meth:`StepPlanner.plan_device`)."""
 
 
-def continued_rows(then: npt.ArrayLike, computed: npt.ArrayLike, max_gain: int) -> np.ndarray:
-    """The hint row each current request continues (-1: none known), by lengths alone.
+def continued_rows(
+    then: npt.ArrayLike,
+    computed: npt.ArrayLike,
+    max_gain: int,
+    then_ids: npt.ArrayLike | None = None,
+    ids: npt.ArrayLike | None = None,
+) -> np.ndarray:
+    """The hint row each current request continues (-1: none known).
 
     ``then``: each hint row's request length when the hint was copied (0: no request);
     ``computed``: each current request's tokens before this step (its length minus its new
-    tokens). A request continues hint row j when ``|computed - then[j]| <= max_gain``: the
-    tokens it took since the copy, or fewer where draft tokens were rejected (speculative
-    decoding). Its own row is tried first; then, as engines move rows
-    when requests leave (SGLang closes the gaps in order; vLLM moves its last rows into
-    them), the hint rows no request stayed on: in order from the last one taken (up to 8
-    rows ahead), then any (the last of those with the smallest difference). The result only says
-    which pages a request is believed to have: a wrong guess costs the step its shared plan
-    (the device check falls back), never a wrong result.
+    tokens). The result only says which pages a request is believed to have: a wrong guess
+    costs the step its shared plan (the device check falls back), never a wrong result.
+
+    With ``then_ids`` / ``ids`` (the engine's stable request ids of the hint rows and of the
+    current requests, e.g. vLLM's request-state index) a request continues the row of its id
+    (if its length did not fall by more than ``max_gain``: a reused id of a new request).
+
+    Without, by lengths, as engines move rows when requests leave (SGLang and vLLM's
+    model runner keep their order and close the gaps; vLLM's older runner moves its last rows
+    into them), in three passes:
+
+    1. Exact gain, in order: a decode run's requests all took the same ``d`` tokens since the
+       copy (``d`` is the gain most requests show at their own row or one of the 8 after
+       it; skipped unless at least half the requests show it at distinct rows). Request i continues row ``i + s`` (0 <= s <= 8) where its gain there is exactly
+       ``d``; where several ``s`` match, the one whose matches run longest through the
+       neighbouring requests (the gap-closing shift), not an isolated equal length.
+    2. Its own row, then the free rows in order after the last one taken (up to 8 ahead),
+       with gain ``d``; where pass 1 found no common gain (speculative decoding, whose
+       rejected draft tokens vary the gains), any gain within ``max_gain``.
+    3. Any free row with such a gain (the closest first; of equal rows the last).
 
     Worked example: ``then`` [100, 200, 300, 400], ``computed`` [100, 300, 400, 7] (the
     request of row 1 left, the others moved up, a new one came) -> [0, 2, 3, -1].
@@ -168,23 +201,46 @@ def continued_rows(then: npt.ArrayLike, computed: npt.ArrayLike, max_gain: int) 
     computed = np.asarray(computed, dtype=np.int64)
     r, b = len(then), len(computed)
     out = np.full(b, -1, dtype=np.int64)
+    if r == 0 or b == 0:
+        return out
+    if then_ids is not None and ids is not None:
+        then_ids = np.asarray(then_ids, dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64)
+        order = np.argsort(then_ids, kind="stable")
+        pos = np.minimum(np.searchsorted(then_ids[order], ids), r - 1)
+        rows = order[pos]
+        ok = (then_ids[rows] == ids) & (then[rows] > 0) & (computed >= then[rows] - max_gain)
+        out[ok] = rows[ok]
+        return out
     k = min(r, b)
-    gain = np.abs(computed[:k] - then[:k])
-    stay = (then[:k] > 0) & (gain <= max_gain)
-    out[:k][stay] = np.flatnonzero(stay)
+    gain = computed[:k] - then[:k]
+    if k == b and (then[:k] > 0).all() and 0 <= gain[0] <= max_gain and (gain == gain[0]).all():
+        return np.arange(b, dtype=np.int64)  # a decode run: every request on its own row
     free = then > 0
-    free[out[out >= 0]] = False
+    d = _exact_pass(then, computed, max_gain, out, free)
+    # In a decode run every request that continues a row took exactly d tokens since the
+    # copy: the later passes take no other gain (a new request of a similar length would
+    # otherwise take a left request's row). Without a common gain (speculative decoding's
+    # varied gains), anything within max_gain.
+    gains = [d] if d is not None else sorted(range(-max_gain, max_gain + 1), key=abs)
+    accepted = set(gains)
     todo = np.flatnonzero(out < 0)
     if not len(todo) or not free.any():
         return out
-    # In order, as SGLang keeps its requests: the rows past the last one taken are all free.
-    order = np.flatnonzero(free).tolist()
-    pos = 0
+    own = todo[todo < r]
+    stay = free[own] & np.isin(computed[own] - then[own], gains)
+    out[own[stay]] = own[stay]
+    free[own[stay]] = False
+    todo = np.flatnonzero(out < 0)
+    if not len(todo) or not free.any():
+        return out
+    after = np.flatnonzero(free).tolist()
+    p = 0
     for i in todo.tolist():
-        for p in range(pos, min(pos + 8, len(order))):
-            j = order[p]
-            if abs(computed[i] - then[j]) <= max_gain:
-                out[i], free[j], pos = j, False, p + 1
+        for q in range(p, min(p + 8, len(after))):
+            j = after[q]
+            if int(computed[i] - then[j]) in accepted:
+                out[i], free[j], p = j, False, q + 1
                 break
     todo = np.flatnonzero(out < 0)
     if not len(todo) or not free.any():
@@ -193,12 +249,54 @@ def continued_rows(then: npt.ArrayLike, computed: npt.ArrayLike, max_gain: int) 
     for j in np.flatnonzero(free).tolist():
         left.setdefault(int(then[j]), []).append(j)
     for i in todo.tolist():
-        for g in sorted(range(-max_gain, max_gain + 1), key=abs):
-            rows = left.get(int(computed[i]) - g)
-            if rows:
-                out[i] = rows.pop()  # the last: vLLM moves its last rows into the gaps
+        for g in gains:
+            rows_left = left.get(int(computed[i]) - g)
+            if rows_left:
+                out[i] = rows_left.pop()  # the last: vLLM's older runner moves its last rows
                 break
     return out
+
+
+_SHIFTS = 9  # pass 1 of continued_rows: a request's own row and the 8 after it
+
+
+def _exact_pass(
+    then: np.ndarray, computed: np.ndarray, max_gain: int, out: np.ndarray, free: np.ndarray
+) -> int | None:
+    """Pass 1 of :func:`continued_rows` (fills ``out``, clears the rows taken in ``free``);
+    returns the common gain, or None where there is none."""
+    r, b = len(then), len(computed)
+    rows = np.arange(b)[:, None] + np.arange(_SHIFTS)[None, :]  # [b, shifts]
+    valid = rows < r
+    rows = np.minimum(rows, r - 1)
+    gain = computed[:, None] - then[rows]
+    valid &= then[rows] > 0
+    seen = gain[valid & (gain >= 0) & (gain <= max_gain)]
+    if not len(seen):
+        return None
+    d = int(np.argmax(np.bincount(seen)))
+    match = valid & (gain == d)
+    if len(np.unique(rows[match])) < max(2, b // 2):
+        return None  # no decode run's common gain (e.g. speculative decoding's varied gains)
+    # The length of the run of matches through each request at each shift: the shifts' columns
+    # one after another, a non-match between them.
+    flat = np.concatenate((match.T, np.zeros((_SHIFTS, 1), dtype=bool)), axis=1).ravel()
+    start = flat & ~np.concatenate(([False], flat[:-1]))
+    rid = np.cumsum(start)
+    lengths = np.bincount(rid[flat], minlength=int(rid[-1]) + 1)
+    run = np.where(flat, lengths[rid], 0).reshape(_SHIFTS, b + 1)[:, :b].T
+    best = np.argmax(run, axis=1)  # the longest run; ties: the smallest shift
+    has = run[np.arange(b), best] > 0
+    cand = np.flatnonzero(has)
+    target = cand + best[cand]
+    strength = run[cand, best[cand]]
+    # A row claimed twice goes to the longer run (then the earlier request).
+    order = np.lexsort((cand, -strength))
+    _, first = np.unique(target[order], return_index=True)
+    keep = order[first]
+    out[cand[keep]] = target[keep]
+    free[target[keep]] = False
+    return d
 
 
 def configure(**changes: Any) -> StepOptions:
@@ -306,12 +404,17 @@ class StepPlanner:
         self.plan_kinds: dict[str, int] = {"copy": 0, "unshared": 0, "hinted": 0}
         """Steps planned from a host copy of their table, from lengths alone, from a hint
         (capture batches are not counted)."""
+        self.hint_rows: dict[str, int] = {"kept": 0, "moved": 0, "unknown": 0}
+        """Requests of hinted steps by the hint row that describes them: their own row, another
+        (the engine moved them), none (new, or no row matched: planned private)."""
+        self._fallbacks: torch.Tensor | None = None  # hinted steps whose check failed
+        self._next_log = COUNT_LOG_STEPS
         self.graph_attention: PrefixAttention | None = None
         """Plans the steps that may be replayed from captured graphs (:meth:`reserve_graphs`
         creates it)."""
         self._eager: PrefixAttention | None = None
         self._hint_view: tuple[np.ndarray, bytes, np.ndarray] | None = None
-        self._hint_run: tuple[tuple[int, bytes | None], np.ndarray, int] | None = None
+        self._hint_run: tuple[tuple[int, bytes | None, bytes | None], np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
 
@@ -415,6 +518,7 @@ class StepPlanner:
         rows: np.ndarray | None = None,
         private: np.ndarray | None = None,
         columns: int | None = None,
+        ids: npt.ArrayLike | None = None,
     ) -> LaunchPlan:
         """Plan a step chosen ``"unshared"`` or ``"hinted"`` from the device ``table`` (int32,
         rows ``:num_real`` the real requests', later rows the engine's padding rows if any),
@@ -427,20 +531,25 @@ class StepPlanner:
         request reads (padding requests may read a real row, marked ``private``) and the hint
         is used whole; without, request b reads row b, so the hint's rows past ``num_real``
         are dropped (they describe another batch's requests, not this step's padding rows).
+        ``ids``: the real requests' ids where the engine has them on the host (stable while
+        a request runs, e.g. vLLM's request-state index): hints then follow requests by id
+        (:func:`continued_rows`), else by lengths.
         """
         with record_function("prefixattn.plan"):
             if choice.kind == "unshared":
                 plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
             elif choice.kind == "hinted":
                 assert choice.hint is not None
-                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real)
+                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, ids)
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
             else:
                 raise ValueError(f"plan_device plans unshared or hinted steps, not {choice.kind}")
         self.plan_kinds[choice.kind] += 1
-        if self._hint_is_current(seq_lens, rows, num_real):
+        if self.options.count_fallbacks:
+            self._count(plan)
+        if self._hint_is_current(seq_lens, rows, num_real, ids):
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
             return plan
@@ -452,11 +561,17 @@ class StepPlanner:
         if self.options.hinted_plans:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
-            self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size)
+            real_ids = None if ids is None else np.asarray(ids)[:num_real]
+            self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
         return plan
 
     def _aligned_hint(
-        self, hint: np.ndarray, seq_lens: np.ndarray, qo_indptr: np.ndarray | None, num_real: int
+        self,
+        hint: np.ndarray,
+        seq_lens: np.ndarray,
+        qo_indptr: np.ndarray | None,
+        num_real: int,
+        ids: npt.ArrayLike | None = None,
     ) -> np.ndarray:
         """The hint's rows of the step's real requests, in their order: row b is the hint
         row request b continues (:func:`continued_rows`), -1 throughout for requests none
@@ -470,7 +585,13 @@ class StepPlanner:
             new = np.diff(np.asarray(qo_indptr, dtype=np.int64))[:num_real]
         then = self.table_hint.lens  # set with every hint, one length per row
         assert then is not None and len(then) == hint.shape[0]
-        source = continued_rows(then, lens - new, HINT_REFRESH_STEPS)
+        now_ids = None if ids is None else np.asarray(ids)[:num_real]
+        source = continued_rows(then, lens - new, HINT_REFRESH_STEPS, self.table_hint.ids, now_ids)
+        kept = int(np.count_nonzero(source == np.arange(num_real)))
+        unknown = int(np.count_nonzero(source < 0))
+        self.hint_rows["kept"] += kept
+        self.hint_rows["moved"] += num_real - kept - unknown
+        self.hint_rows["unknown"] += unknown
         key = source.tobytes()
         view = self._hint_view
         if view is not None and view[0] is hint and view[1] == key:
@@ -485,16 +606,44 @@ class StepPlanner:
         self._hint_view = (hint, key, aligned)
         return aligned
 
-    def _hint_is_current(self, seq_lens: np.ndarray, rows: Any, num_real: int) -> bool:
+    def counts(self) -> dict[str, Any]:
+        """The planner's counts: :attr:`plan_kinds`, :attr:`hint_rows` and, with
+        :attr:`StepOptions.count_fallbacks`, ``"fallbacks"``, the hinted steps whose device
+        check failed (read from the device: waits for the GPU)."""
+        out: dict[str, Any] = {"plans": dict(self.plan_kinds), "hint_rows": dict(self.hint_rows)}
+        if self._fallbacks is not None:
+            out["fallbacks"] = int(self._fallbacks.item())
+        return out
+
+    def _count(self, plan: LaunchPlan) -> None:
+        """Add a hinted plan's check result to the fallback count; log the counts every
+        :data:`COUNT_LOG_STEPS` planned steps."""
+        taken = plan.fallback_taken
+        if taken is not None:
+            if self._fallbacks is None:
+                self._fallbacks = torch.zeros((), dtype=torch.int64, device=taken.device)
+            self._fallbacks.add_(taken)
+        if sum(self.plan_kinds.values()) >= self._next_log:
+            self._next_log += COUNT_LOG_STEPS
+            logger.warning("prefixattn step planner counts: %s", self.counts())
+
+    def _hint_is_current(
+        self, seq_lens: np.ndarray, rows: Any, num_real: int, ids: Any = None
+    ) -> bool:
         """True while the batch is the one whose rows were last looked at, every request some
-        steps further by one token per step, for fewer than :data:`HINT_REFRESH_STEPS` steps:
-        a decode run. Its pages past the copy are unknown to the hint, so planned as private,
-        which a decode run's new pages are; copying the whole table again every step (O(
-        requests x context) host work at page size 1) would tell nothing more, and its requests
-        keep their first pages (the probe's verdict). Otherwise (requests joined, left, moved
+        steps further by one token per step (the same request ids, where the engine gives
+        them), for fewer than :data:`HINT_REFRESH_STEPS` steps: a decode run. Its pages past
+        the copy are unknown to the hint, so planned as private, which a decode run's new
+        pages are; copying the whole table again every step (O(requests x context) host work
+        at page size 1) would tell nothing more, and its requests keep their first pages (the
+        probe's verdict). Otherwise (requests joined, left, moved
         or took several tokens) the rows are looked at again."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
-        key = (num_real, None if rows is None else np.asarray(rows)[:num_real].tobytes())
+        key = (
+            num_real,
+            None if rows is None else np.asarray(rows)[:num_real].tobytes(),
+            None if ids is None else np.asarray(ids)[:num_real].tobytes(),
+        )
         if self._hint_run is not None:
             last_key, last_lens, steps = self._hint_run
             steps += 1
@@ -517,14 +666,19 @@ class StepPlanner:
         *,
         num_real: int,
         capture: bool = False,
+        ids: npt.ArrayLike | None = None,
     ) -> LaunchPlan:
         """Plan a step chosen ``"copy"`` with :meth:`PrefixAttention.plan` from the host
         ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
-        recording its sharing and its rows as a later step's hint."""
+        recording its sharing and its rows (with their ``ids``, as in :meth:`plan_device`)
+        as a later step's hint."""
         if num_real > 0:
             self.probe.observe(table[:num_real, 0])
             if self.options.hinted_plans:
-                self.table_hint.observe(table[:num_real], seq_lens[:num_real], self.page_size)
+                real_ids = None if ids is None else np.asarray(ids)[:num_real]
+                self.table_hint.observe(
+                    table[:num_real], seq_lens[:num_real], self.page_size, real_ids
+                )
                 self._hint_run = None  # the next device-table step copies its rows again
         with record_function("prefixattn.plan"):
             plan = attention.plan(table, seq_lens, qo_indptr)

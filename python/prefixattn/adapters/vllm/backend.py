@@ -481,6 +481,10 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             and host_lens is not None
             and cm.block_table_tensor.dtype == torch.int32,
         )
+        # vLLM's model runner gives each row's request-state index (stable while the request
+        # runs): hints follow requests by it. None from runners that do not.
+        ids = getattr(cm, "req_idx", None)
+        ids = None if ids is None or capture or len(ids) < b else ids[:b]
         if choice.device_table:
             assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
@@ -489,7 +493,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
             plan = self.planner.plan_device(
                 attention, choice, cm.block_table_tensor[:b], lens, indptr, num_real=b,
-                rows=rows, private=np.arange(b + pad) >= b, columns=self._columns(cm),
+                rows=rows, private=np.arange(b + pad) >= b, columns=self._columns(cm), ids=ids,
             )  # fmt: skip
         else:
             # Named ranges for profiles (tools' trace summary): the copy of the block table to
@@ -500,7 +504,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             # Padding requests attend to the null block.
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
             plan = self.planner.plan_host(
-                attention, table, lens, indptr, num_real=b, capture=capture
+                attention, table, lens, indptr, num_real=b, capture=capture, ids=ids
             )
         if eligible and not capture:
             self.planner.check()
