@@ -493,3 +493,24 @@ def test_hinted_plans_follow_rows_that_moved() -> None:
     new = Batch([r0, [20, 21, 22, *range(900, 917)], r2])
     new.seq_lens = np.asarray([11, 5, 52], np.int32)
     assert kind(run_step(planner, new)) == "hinted"
+
+
+def test_hint_fallback_model() -> None:
+    """benchmarks/hint_fallbacks.py (cited in docs/dev/log.md): on its model of the engines'
+    rows, hints by request ids never fall back, and by lengths rarely (the row-for-row hint
+    fell back on most steps of the same model)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hint_fallbacks.py"
+    spec = importlib.util.spec_from_file_location("hint_fallbacks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    by_ids = module.run("vllm", 40, 64, 16, 0)
+    assert by_ids["kinds"].get("hinted-fallback", 0) == 0
+    assert sum(by_ids["kinds"].values()) == 40 and by_ids["hint_rows"]["moved"] > 0
+    for order in ("sglang", "vllm-v1"):
+        by_lens = module.run(order, 40, 64, 16, 0)
+        assert by_lens["kinds"].get("hinted-fallback", 0) <= 2, by_lens
+        assert by_lens["kinds"].get("hinted", 0) >= 37

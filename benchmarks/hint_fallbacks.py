@@ -1,0 +1,123 @@
+"""How often a hinted step falls back to the per-request plan, on a model of an engine's rows.
+
+A hinted plan takes each request's sharing from an earlier step's copy of the block table
+(``StepPlanner``, ``prefixattn.engine.step``); where a request is matched to a row that
+describes another request, the device check fails and the whole step runs the per-request
+fallback. This drives a ``StepPlanner`` on the CPU with the decode steps of forest-like
+traffic: ``--requests`` running requests under 16 shared prefixes (4 system prompts of 1536
+tokens, 4 templates of 512 under each), user context of 64-320 tokens, outputs of 16-256
+tokens; a request that finishes leaves and a new one (its prompt prefilled, so some tokens
+on) joins. Rows move as the engine moves them:
+
+- ``sglang``: the gaps close in order, new requests come last;
+- ``vllm``: the model runner's order (the same), with its request-state indices as ids;
+- ``vllm-v1``: the older runner's, the last rows moved into the gaps, new requests last.
+
+It prints the plan kinds (``hinted-fallback``: the check failed) and the planner's counts.
+
+    python benchmarks/hint_fallbacks.py --order sglang --steps 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixattn import PrefixAttention
+from prefixattn.engine.step import StepPlanner
+
+
+class Requests:
+    """The running requests of the model: pages, length, tokens left, id."""
+
+    def __init__(self, rng: np.random.Generator, page_size: int) -> None:
+        self.rng = rng
+        self.ps = page_size
+        self.next_page = 0
+        self.next_id = 0
+        self.prefixes: list[list[int]] = []
+        for _ in range(4):
+            system = self._pages(1536)
+            for _ in range(4):
+                self.prefixes.append(system + self._pages(512))
+
+    def _pages(self, tokens: int) -> list[int]:
+        n = -(-tokens // self.ps)
+        out = list(range(self.next_page, self.next_page + n))
+        self.next_page += n
+        return out
+
+    def new(self) -> list[Any]:
+        prefix = self.prefixes[int(self.rng.integers(0, len(self.prefixes)))]
+        user = int(self.rng.integers(64, 321))
+        out = int(self.rng.integers(16, 257))
+        pages = prefix + self._pages(user + out + self.ps)
+        self.next_id += 1
+        return [pages, len(prefix) * self.ps + user, out, self.next_id]
+
+
+def run(order: str, steps: int, requests: int, page_size: int, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    model = Requests(rng, page_size)
+    planner = StepPlanner(
+        lambda: PrefixAttention(32, 8, 128, page_size, device="cpu", dtype=torch.bfloat16),
+        page_size,
+    )
+    rows = [model.new() for _ in range(requests)]
+    kinds: dict[str, int] = {}
+    for _ in range(steps):
+        if order == "vllm-v1":
+            for i in reversed([i for i, r in enumerate(rows) if r[2] <= 0]):
+                last = rows.pop()
+                if i < len(rows):
+                    rows[i] = last
+        else:
+            rows = [r for r in rows if r[2] > 0]
+        while len(rows) < requests:
+            rows.append(model.new())
+        for r in rows:
+            r[1] += 1
+            r[2] -= 1
+        lens = np.array([r[1] for r in rows], np.int32)
+        width = int(-(-lens.max() // page_size)) + 1
+        table = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            n = -(-r[1] // page_size)
+            table[i, :n] = r[0][:n]
+        # Request ids only where the engine gives them (and so a build without them runs too).
+        extra: dict[str, Any] = {"ids": np.array([r[3] for r in rows])} if order == "vllm" else {}
+        choice = planner.choose(len(rows), decode=True)
+        attention = planner.attention_for(graph=False)
+        if choice.device_table:
+            plan = planner.plan_device(
+                attention, choice, torch.from_numpy(table), lens, num_real=len(rows), **extra
+            )
+        else:
+            plan = planner.plan_host(attention, table, lens, num_real=len(rows), **extra)
+        kind: str = choice.kind
+        if plan.fallback_taken is not None and bool(plan.fallback_taken):
+            kind += "-fallback"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    counts = getattr(planner, "hint_rows", None)  # builds before the counts have none
+    return {"order": order, "steps": steps, "kinds": kinds, "hint_rows": counts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--order", choices=("sglang", "vllm", "vllm-v1"), default="sglang")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.steps < 1 or args.requests < 1 or not 1 <= args.page_size <= 128:
+        ap.error("--steps and --requests must be positive, --page-size in 1..128")
+    print(json.dumps(run(args.order, args.steps, args.requests, args.page_size, args.seed)))
+
+
+if __name__ == "__main__":
+    main()
