@@ -8,6 +8,7 @@ speculative verification (2-5 tokens) and prefill/extend chunks (longer, up to a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -272,7 +273,9 @@ def test_plans_follow_the_sharing_seen(
     _options(monkeypatch, vllm_config, hinted_plans=False)  # copies only (hinted plans: below)
     rng = torch.Generator().manual_seed(11)
     shared = Batch(rng, 16, 8, False)
-    private = Batch(rng, 16, 8, False)
+    # The same requests' lengths on other first blocks: the hint's rows seem to continue,
+    # but their pages differ (as when an evicted prefix was computed again).
+    private = copy.deepcopy(shared)
     private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     assert builder.planner.options.hinted_plans is False
@@ -304,7 +307,9 @@ def test_steps_with_sharing_are_planned_from_an_earlier_table(
     is this step's table."""
     rng = torch.Generator().manual_seed(11)
     shared = Batch(rng, 16, 8, False)
-    private = Batch(rng, 16, 8, False)
+    # The same requests' lengths on other first blocks: the hint's rows seem to continue,
+    # but their pages differ (as when an evicted prefix was computed again).
+    private = copy.deepcopy(shared)
     private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     kinds = [

@@ -444,6 +444,15 @@ def test_continued_rows_follow_moved_requests() -> None:
     assert cr([], [5, 6], 16).tolist() == [-1, -1]
     # By request ids: a reused id whose length fell is a new request.
     assert cr([100, 200, 300], [300, 101, 50], 16, [5, 6, 7], [7, 5, 6]).tolist() == [2, 0, -1]
+    # Ids that repeat tell nothing: lengths decide.
+    assert cr([100, 200], [201, 101], 16, [5, 6], [5, 5]).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="1 ids for 2 requests"):
+        cr([100, 200], [101, 201], 16, [1, 2], [1])
+    # More than half the batch new: the decode run's gain still keeps them off left rows.
+    new = [7, 8, 9, 10, 11, 12]
+    assert cr([100, 200, 300, 400], [103, 303, 403, 205, *new], 16).tolist() == [
+        0, 2, 3, -1, -1, -1, -1, -1, -1, -1
+    ]  # fmt: skip
 
 
 def test_continued_rows_prefer_the_gap_closing_shift() -> None:

@@ -293,3 +293,14 @@ def test_a_decode_run_plans_from_the_same_tables() -> None:
     writeable[:, :40] = 7  # the same array object, other contents: a new table
     pa.plan_hinted(torch.from_numpy(table), writeable, np.full(4, 50))
     assert pa._table_memo["hinted"][1] is not memo
+
+
+def test_table_hint_refuses_ids_of_another_length() -> None:
+    """Request ids must be one per row; a wrong count raises and leaves the hint as it was."""
+    hint = TableHint()
+    hint.observe(np.array([[1, 2], [3, 4], [5, 6]]), np.array([2, 2, 2]), 1, ids=[7, 8, 9])
+    with pytest.raises(ValueError, match="1 request ids for 2 table rows"):
+        hint.observe(np.array([[1, 2], [3, 4]]), np.array([2, 2]), 1, ids=[1])
+    taken = hint.take()
+    assert taken is not None and taken.shape[0] == 3
+    assert hint.ids is not None and hint.ids.tolist() == [7, 8, 9]

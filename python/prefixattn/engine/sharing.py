@@ -126,9 +126,10 @@ class TableHint:
         """Record a host table (rows = requests, the first ``ceil(len / page_size)`` entries
         of each are its pages; ``ids``: their request ids, optional). A copy still in flight
         is older: it is dropped once landed."""
+        row_ids = _row_ids(ids, len(table))  # first: a bad length leaves the hint as it was
         self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size))
         self._lens = _row_lens(seq_lens, self._hint.shape[0])
-        self._ids = _row_ids(ids, self._hint.shape[0])
+        self._ids = row_ids
         self._superseded = self._pending is not None
 
     def start(
@@ -144,6 +145,7 @@ class TableHint:
         if self._pending is not None:
             return
         rows, cols = table.shape
+        row_ids = _row_ids(ids, rows)  # before the copy is queued
         if self._pinned is None or self._pinned.numel() < rows * cols:
             self._pinned = torch.empty(
                 max(rows * cols, 2 * (0 if self._pinned is None else self._pinned.numel())),
@@ -154,9 +156,7 @@ class TableHint:
         assert self._event is not None
         self._pinned[: rows * cols].view(rows, cols).copy_(table, non_blocking=True)
         self._event.record()
-        self._pending = (
-            rows, cols, np.array(seq_lens, dtype=np.int64), page_size, _row_ids(ids, rows)
-        )  # fmt: skip
+        self._pending = (rows, cols, np.array(seq_lens, dtype=np.int64), page_size, row_ids)
 
     def _poll(self) -> None:
         if self._pending is None or self._event is None or not self._event.query():

@@ -177,16 +177,19 @@ def continued_rows(
     costs the step its shared plan (the device check falls back), never a wrong result.
 
     With ``then_ids`` / ``ids`` (the engine's stable request ids of the hint rows and of the
-    current requests, e.g. vLLM's request-state index) a request continues the row of its id
-    (if its length did not fall by more than ``max_gain``: a reused id of a new request).
+    current requests, e.g. vLLM's request-state index; one per row and per request, else
+    ValueError) a request continues the row of its id (if its length did not fall by more
+    than ``max_gain``: a reused id of a new request). Ids that repeat are ignored (lengths
+    decide).
 
     Without, by lengths, as engines move rows when requests leave (SGLang and vLLM's
     model runner keep their order and close the gaps; vLLM's older runner moves its last rows
     into them), in three passes:
 
     1. Exact gain, in order: a decode run's requests all took the same ``d`` tokens since the
-       copy (``d`` is the gain most requests show at their own row or one of the 8 after
-       it; skipped unless at least half the requests show it at distinct rows). Request i continues row ``i + s`` (0 <= s <= 8) where its gain there is exactly
+       copy (``d`` is the gain most often shown by a request at its own row or one of the 8
+       after it; skipped unless at least an eighth of the requests, and at least 2, show it,
+       at as many distinct rows, two neighbours at least at the same shift). Request i continues row ``i + s`` (0 <= s <= 8) where its gain there is exactly
        ``d``; where several ``s`` match, the one whose matches run longest through the
        neighbouring requests (the gap-closing shift), not an isolated equal length.
     2. Its own row, then the free rows in order after the last one taken (up to 8 ahead),
@@ -204,14 +207,9 @@ def continued_rows(
     if r == 0 or b == 0:
         return out
     if then_ids is not None and ids is not None:
-        then_ids = np.asarray(then_ids, dtype=np.int64)
-        ids = np.asarray(ids, dtype=np.int64)
-        order = np.argsort(then_ids, kind="stable")
-        pos = np.minimum(np.searchsorted(then_ids[order], ids), r - 1)
-        rows = order[pos]
-        ok = (then_ids[rows] == ids) & (then[rows] > 0) & (computed >= then[rows] - max_gain)
-        out[ok] = rows[ok]
-        return out
+        by_id = _rows_by_id(then, computed, max_gain, then_ids, ids)
+        if by_id is not None:
+            return by_id
     k = min(r, b)
     gain = computed[:k] - then[:k]
     if k == b and (then[:k] > 0).all() and 0 <= gain[0] <= max_gain and (gain == gain[0]).all():
@@ -257,6 +255,30 @@ def continued_rows(
     return out
 
 
+def _rows_by_id(
+    then: np.ndarray,
+    computed: np.ndarray,
+    max_gain: int,
+    then_ids: npt.ArrayLike,
+    ids: npt.ArrayLike,
+) -> np.ndarray | None:
+    """:func:`continued_rows` by request ids; None where ids repeat (they identify nothing)."""
+    r, b = len(then), len(computed)
+    row_ids = np.asarray(then_ids, dtype=np.int64).reshape(-1)
+    req_ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(row_ids) != r or len(req_ids) != b:
+        raise ValueError(
+            f"continued_rows: {len(row_ids)} ids for {r} hint rows and {len(req_ids)} ids "
+            f"for {b} requests; each row and each request needs one"
+        )
+    if len(np.unique(req_ids)) < b or len(np.unique(row_ids)) < r:
+        return None
+    order = np.argsort(row_ids, kind="stable")
+    rows = order[np.minimum(np.searchsorted(row_ids[order], req_ids), r - 1)]
+    ok = (row_ids[rows] == req_ids) & (then[rows] > 0) & (computed >= then[rows] - max_gain)
+    return np.where(ok, rows, -1).astype(np.int64)
+
+
 _SHIFTS = 9  # pass 1 of continued_rows: a request's own row and the 8 after it
 
 
@@ -276,8 +298,6 @@ def _exact_pass(
         return None
     d = int(np.argmax(np.bincount(seen)))
     match = valid & (gain == d)
-    if len(np.unique(rows[match])) < max(2, b // 2):
-        return None  # no decode run's common gain (e.g. speculative decoding's varied gains)
     # The length of the run of matches through each request at each shift: the shifts' columns
     # one after another, a non-match between them.
     flat = np.concatenate((match.T, np.zeros((_SHIFTS, 1), dtype=bool)), axis=1).ravel()
@@ -285,6 +305,15 @@ def _exact_pass(
     rid = np.cumsum(start)
     lengths = np.bincount(rid[flat], minlength=int(rid[-1]) + 1)
     run = np.where(flat, lengths[rid], 0).reshape(_SHIFTS, b + 1)[:, :b].T
+    # A decode run's gain is shown by many requests, neighbours at the same shift; equal
+    # lengths or a few coincidences show a gain at a handful of requests, each alone.
+    least = max(2, min(r, b) // 8)
+    if (
+        len(np.unique(rows[match])) < least
+        or np.count_nonzero(match.any(axis=1)) < least
+        or int(run.max()) < 2
+    ):
+        return None  # no decode run's common gain (e.g. speculative decoding's varied gains)
     best = np.argmax(run, axis=1)  # the longest run; ties: the smallest shift
     has = run[np.arange(b), best] > 0
     cand = np.flatnonzero(has)
@@ -623,8 +652,9 @@ class StepPlanner:
             if self._fallbacks is None:
                 self._fallbacks = torch.zeros((), dtype=torch.int64, device=taken.device)
             self._fallbacks.add_(taken)
-        if sum(self.plan_kinds.values()) >= self._next_log:
-            self._next_log += COUNT_LOG_STEPS
+        total = sum(self.plan_kinds.values())
+        if total >= self._next_log:
+            self._next_log = (total // COUNT_LOG_STEPS + 1) * COUNT_LOG_STEPS
             logger.warning("prefixattn step planner counts: %s", self.counts())
 
     def _hint_is_current(

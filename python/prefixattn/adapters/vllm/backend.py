@@ -484,7 +484,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         # vLLM's model runner gives each row's request-state index (stable while the request
         # runs): hints follow requests by it. None from runners that do not.
         ids = getattr(cm, "req_idx", None)
-        ids = None if ids is None or capture or len(ids) < b else ids[:b]
+        ids = ids[:b] if isinstance(ids, np.ndarray) and len(ids) >= b and not capture else None
         if choice.device_table:
             assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
