@@ -127,8 +127,9 @@ class TableHint:
         of each are its pages; ``ids``: their request ids, optional). A copy still in flight
         is older: it is dropped once landed."""
         row_ids = _row_ids(ids, len(table))  # first: a bad length leaves the hint as it was
-        self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), seq_lens, page_size))
-        self._lens = _row_lens(seq_lens, self._hint.shape[0])
+        lens = _row_lens(seq_lens, len(table))
+        self._hint = _read_only(_mask_unused(np.array(table, dtype=np.int32), lens, page_size))
+        self._lens = lens
         self._ids = row_ids
         self._superseded = self._pending is not None
 
@@ -168,8 +169,8 @@ class TableHint:
             return
         assert self._pinned is not None
         table = self._pinned[: rows * cols].view(rows, cols).numpy().copy()
-        self._hint = _read_only(_mask_unused(table, lens, page_size))
         self._lens = _row_lens(lens, rows)
+        self._hint = _read_only(_mask_unused(table, self._lens, page_size))
         self._ids = ids
 
 
@@ -201,11 +202,9 @@ def _row_ids(ids: Any, rows: int) -> np.ndarray | None:
     return out
 
 
-def _mask_unused(table: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:
-    """-1 past each row's pages (rows without a length: all of it)."""
-    lens = np.zeros(table.shape[0], np.int64)
-    n = min(table.shape[0], len(seq_lens))
-    lens[:n] = np.asarray(seq_lens, dtype=np.int64)[:n]
-    pages = (lens + page_size - 1) // page_size
+def _mask_unused(table: np.ndarray, row_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """-1 past each row's pages (``row_lens``: one length per row, :func:`_row_lens`; 0 for
+    rows without a request: all of it)."""
+    pages = (row_lens + page_size - 1) // page_size
     table[np.arange(table.shape[1])[None, :] >= pages[:, None]] = -1
     return table

@@ -189,8 +189,9 @@ def continued_rows(
     1. Exact gain, in order: a decode run's requests all took the same ``d`` tokens since the
        copy (``d`` is the gain most often shown by a request at its own row or one of the 8
        after it; skipped unless at least an eighth of the requests, and at least 2, show it,
-       at as many distinct rows, two neighbours at least at the same shift). Request i continues row ``i + s`` (0 <= s <= 8) where its gain there is exactly
-       ``d``; where several ``s`` match, the one whose matches run longest through the
+       at as many distinct rows, two neighbours at least at the same shift). Request i
+       continues row ``i + s`` (0 <= s <= 8) where its gain there is exactly ``d``; where
+       several ``s`` match, the one whose matches run longest through the
        neighbouring requests (the gap-closing shift), not an isolated equal length.
     2. Its own row, then the free rows in order after the last one taken (up to 8 ahead),
        with gain ``d``; where pass 1 found no common gain (speculative decoding, whose
@@ -564,12 +565,13 @@ class StepPlanner:
         a request runs, e.g. vLLM's request-state index): hints then follow requests by id
         (:func:`continued_rows`), else by lengths.
         """
+        real_ids = None if ids is None else np.asarray(ids)[:num_real]
         with record_function("prefixattn.plan"):
             if choice.kind == "unshared":
                 plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
             elif choice.kind == "hinted":
                 assert choice.hint is not None
-                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, ids)
+                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, real_ids)
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
@@ -578,7 +580,7 @@ class StepPlanner:
         self.plan_kinds[choice.kind] += 1
         if self.options.count_fallbacks:
             self._count(plan)
-        if self._hint_is_current(seq_lens, rows, num_real, ids):
+        if self._hint_is_current(seq_lens, rows, num_real, real_ids):
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
             return plan
@@ -590,7 +592,6 @@ class StepPlanner:
         if self.options.hinted_plans:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
-            real_ids = None if ids is None else np.asarray(ids)[:num_real]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
         return plan
 
@@ -605,17 +606,16 @@ class StepPlanner:
         """The hint's rows of the step's real requests, in their order: row b is the hint
         row request b continues (:func:`continued_rows`), -1 throughout for requests none
         describes (new ones, or ones that moved where no row matches). Requests past
-        ``num_real`` read the engine's padding rows, which no hint describes. The same array
-        each step the alignment repeats (a decode run), so the planner can keep what it
-        derived from it."""
+        ``num_real`` read the engine's padding rows, which no hint describes. ``ids``: the
+        real requests' ids, or None. The same array each step the alignment repeats (a
+        decode run), so the planner can keep what it derived from it."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         new: np.ndarray = np.ones(num_real, dtype=np.int64)
         if qo_indptr is not None:
             new = np.diff(np.asarray(qo_indptr, dtype=np.int64))[:num_real]
         then = self.table_hint.lens  # set with every hint, one length per row
         assert then is not None and len(then) == hint.shape[0]
-        now_ids = None if ids is None else np.asarray(ids)[:num_real]
-        source = continued_rows(then, lens - new, HINT_REFRESH_STEPS, self.table_hint.ids, now_ids)
+        source = continued_rows(then, lens - new, HINT_REFRESH_STEPS, self.table_hint.ids, ids)
         kept = int(np.count_nonzero(source == np.arange(num_real)))
         unknown = int(np.count_nonzero(source < 0))
         self.hint_rows["kept"] += kept
@@ -661,8 +661,8 @@ class StepPlanner:
         self, seq_lens: np.ndarray, rows: Any, num_real: int, ids: Any = None
     ) -> bool:
         """True while the batch is the one whose rows were last looked at, every request some
-        steps further by one token per step (the same request ids, where the engine gives
-        them), for fewer than :data:`HINT_REFRESH_STEPS` steps: a decode run. Its pages past
+        steps further by one token per step (the same request ids ``ids`` of the real
+        requests, where the engine gives them), for fewer than :data:`HINT_REFRESH_STEPS` steps: a decode run. Its pages past
         the copy are unknown to the hint, so planned as private, which a decode run's new
         pages are; copying the whole table again every step (O(requests x context) host work
         at page size 1) would tell nothing more, and its requests keep their first pages (the
@@ -672,7 +672,7 @@ class StepPlanner:
         key = (
             num_real,
             None if rows is None else np.asarray(rows)[:num_real].tobytes(),
-            None if ids is None else np.asarray(ids)[:num_real].tobytes(),
+            None if ids is None else np.asarray(ids).tobytes(),
         )
         if self._hint_run is not None:
             last_key, last_lens, steps = self._hint_run
