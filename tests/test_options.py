@@ -17,6 +17,7 @@ DEFAULTS = {
     "finish_in_leaf": True,
     "one_launch_in_one_wave": True,
     "split_waves": True,
+    "min_split_tokens": 256,
     "max_plan_bytes": 8 * 2**30,
     "use_kernels": True,
     "prefetch_tiles": 0,
@@ -76,6 +77,9 @@ def test_switches_take_bools_only(name: str, value: object) -> None:
         (LaunchOptions, "prefetch_tiles", True, TypeError),
         (PlanOptions, "split_target", -5, ValueError),
         (PlanOptions, "split_target", "0", TypeError),
+        (PlanOptions, "min_split_tokens", 0, ValueError),
+        (PlanOptions, "min_split_tokens", 2**31, ValueError),
+        (PlanOptions, "min_split_tokens", 64.0, TypeError),
     ],
 )
 def test_counts_are_checked(options: type, field: str, value: object, error: type) -> None:

@@ -30,8 +30,7 @@ inline int64_t floordiv(int64_t a, int64_t b) {
 
 inline int64_t ceildiv(int64_t a, int64_t b) { return -floordiv(-a, b); }
 
-// core/packer.py MIN_SPLIT_TOKENS and SPLIT_SLACK.
-constexpr int64_t kMinSplitTokens = 256;
+// packing.py SPLIT_SLACK.
 constexpr int64_t kSplitSlack = 2;
 // packing.py WAVE_PAIR_TOKENS: what a pair costs beside its KV tokens in split_waves' estimate.
 constexpr int64_t kWavePairTokens = 256;
@@ -456,7 +455,7 @@ class TileTable {
 };
 
 // Long-KV split length: the mean KV length of the nodes that serve tokens (of the requests with
-// new tokens for per_query), at least kMinSplitTokens; infinite without split_kv.
+// new tokens for per_query), at least min_split_tokens; infinite without split_kv.
 double split_length(const PlanParams& p, const Forest& f, const std::vector<int64_t>& lens,
                     const std::vector<int64_t>& qo_len) {
   if (!p.split_kv) return std::numeric_limits<double>::infinity();
@@ -481,7 +480,7 @@ double split_length(const PlanParams& p, const Forest& f, const std::vector<int6
   }
   if (count == 0) return std::numeric_limits<double>::infinity();
   return std::max(static_cast<double>(total) / static_cast<double>(count),
-                  static_cast<double>(kMinSplitTokens));
+                  static_cast<double>(p.min_split_tokens));
 }
 
 // The work items of the packing strategy (packer._Items).
@@ -615,7 +614,7 @@ int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chu
   const wide divisor = std::max<int64_t>(share, 1);
   const wide balanced = (static_cast<wide>(kSplitSlack) * slots * len + divisor - 1) / divisor;
   const int64_t bound =
-      std::min<int64_t>(cap, std::max<int64_t>(floordiv(len, kMinSplitTokens), 1));
+      std::min<int64_t>(cap, std::max<int64_t>(floordiv(len, p.min_split_tokens), 1));
   return balanced < bound ? static_cast<int64_t>(balanced) : bound;
 }
 
@@ -705,7 +704,7 @@ void fill_waves(const PlanParams& p, const std::vector<int64_t>& height,
 // Step 3: long-KV split into equal page-aligned parts; each part's visible slots. With a split
 // target, only chunks whose KV is more than kSplitSlack times their launch's share per SM (the
 // KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into parts
-// no longer than 1 / kSplitSlack of that share and no shorter than kMinSplitTokens; with
+// no longer than 1 / kSplitSlack of that share and no shorter than min_split_tokens; with
 // split_waves, fill_waves may then cut them into fewer.
 void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots,
                  const Chunks& chunks, int64_t g, double split_len, Parts& parts) {

@@ -64,9 +64,11 @@ struct PlanParams {
   bool split_kv = true;
   // (item, KV head) pairs the GPU runs at once (its SM count): a long row chunk is split only
   // where its KV is more than twice its launch's share per SM (the KV tokens of the pairs of
-  // its tile height / split_target), into parts of at most half that share and at least 256
-  // tokens. 0 splits every long item.
+  // its tile height / split_target), into parts of at most half that share and at least
+  // min_split_tokens tokens. 0 splits every long item.
   int64_t split_target = 0;
+  // No split part is shorter than this many KV tokens (PlanOptions.min_split_tokens, >= 1).
+  int64_t min_split_tokens = 256;
   // With split_target > 0: cut the split chunks of each tile height into fewer parts where the
   // launch's estimated makespan is shorter (packing.fill_waves).
   bool split_waves = true;

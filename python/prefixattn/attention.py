@@ -62,16 +62,20 @@ outgrows a reservation bumps ``buffers_generation``."""
 
 
 def decode_slots_per_token(
-    max_context_len: int, max_requests: int, depth_allowance: int = DECODE_DEPTH_ALLOWANCE
+    max_context_len: int,
+    max_requests: int,
+    depth_allowance: int = DECODE_DEPTH_ALLOWANCE,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> int:
     """(work item, token) slots one decode token can take in a plan.
 
     The work items a token joins cut its KV into pieces: one per forest node on its path (up
     to ``depth_allowance``) plus the long-KV split parts. A split part is never shorter than
-    ``MIN_SPLIT_TOKENS``, so a token joins at most ``min(ceil(L / MIN_SPLIT_TOKENS), 2 * B)``
-    extra parts (B requests make at most 2B - 1 forest nodes).
+    ``min_split_tokens`` (``PlanOptions.min_split_tokens``), so a token joins at most
+    ``min(ceil(L / min_split_tokens), 2 * B)`` extra parts (B requests make at most 2B - 1
+    forest nodes).
     """
-    parts = min(2 * max_requests, -(-max_context_len // MIN_SPLIT_TOKENS)) + 1
+    parts = min(2 * max_requests, -(-max_context_len // min_split_tokens)) + 1
     return depth_allowance + parts
 
 
@@ -298,6 +302,7 @@ class PrefixAttention:
     finish_in_leaf = _Option[bool]("plan_options", PlanOptions)
     one_launch_in_one_wave = _Option[bool]("plan_options", PlanOptions)
     split_waves = _Option[bool]("plan_options", PlanOptions)
+    min_split_tokens = _Option[int]("plan_options", PlanOptions)
     max_plan_bytes = _Option[int | None]("plan_options", PlanOptions)
     use_kernels = _Option[bool]("launch_options", LaunchOptions)
     prefetch_tiles = _Option[int]("launch_options", LaunchOptions)
@@ -806,6 +811,7 @@ class PrefixAttention:
                 one_launch_in_one_wave=options.one_launch_in_one_wave,
                 pack_heads=options.pack_heads, max_bytes=options.max_plan_bytes,
                 page_ids=page_table is None, split_waves=options.split_waves,
+                min_split_tokens=options.min_split_tokens,
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None

@@ -114,6 +114,12 @@ ABLATIONS: dict[str, Variant] = {
     "per_height": Variant(plan={"one_launch_in_one_wave": False}),
     # the split rule's parts, not fewer where they fill whole waves
     "no_waves": Variant(plan={"split_waves": False}),
+    # a lower split floor (PlanOptions.min_split_tokens): more, shorter parts where few pairs
+    # would leave SMs idle (small decode batches)
+    "split_floor128": Variant(plan={"min_split_tokens": 128}),
+    "split_floor64": Variant(plan={"min_split_tokens": 64}),
+    "split_floor32": Variant(plan={"min_split_tokens": 32}),
+    "split_floor16": Variant(plan={"min_split_tokens": 16}),
     # one KV head per (item, KV head) pair of the 16-row kernel
     "unpacked_heads": Variant(plan={"pack_heads": False}),
     "prefetch2": Variant(launch={"prefetch_tiles": 2}),

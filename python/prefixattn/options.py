@@ -17,6 +17,9 @@ _INT64_MAX = 2**63 - 1
 DEFAULT_MAX_PLAN_BYTES = 8 * 2**30
 """``PlanOptions.max_plan_bytes`` by default: 8 GiB."""
 
+DEFAULT_MIN_SPLIT_TOKENS = 256
+"""``PlanOptions.min_split_tokens`` by default."""
+
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
@@ -33,6 +36,12 @@ def _check_count(
         raise TypeError(f"{owner}.{name} must be {what}, got {value!r}")
     if not 0 <= value <= top:
         raise ValueError(f"{owner}.{name} must be in [0, {top}], got {value}")
+
+
+def _check_positive(owner: str, name: str, value: Any, top: int = _INT32_MAX) -> None:
+    _check_count(owner, name, value, top=top)
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be in [1, {top}], got {value}")
 
 
 class _Checked:
@@ -93,6 +102,12 @@ class PlanOptions(_Checked):
     planner; docs/dev/log.md, "Whole waves for split launches"). False: the split rule's
     parts."""
 
+    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS
+    """A long-KV split part is never shorter than this many KV tokens (a chunk shorter than
+    twice it is not split). Shorter parts add partial rows for the merge and per-pair start
+    cost; longer ones leave SMs idle where a launch has few pairs (small decode batches).
+    Values below the page size act as the page size (parts are whole pages)."""
+
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
     """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than
     this many bytes; None: no limit. The estimate is taken from the lengths alone before any
@@ -108,6 +123,7 @@ class PlanOptions(_Checked):
         "finish_in_leaf": _check_bool,
         "one_launch_in_one_wave": _check_bool,
         "split_waves": _check_bool,
+        "min_split_tokens": lambda o, n, v: _check_positive(o, n, v),
         "max_plan_bytes": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
     }
 

@@ -323,6 +323,13 @@ def test_core_options_reach_every_core() -> None:
     assert plain.eager_attention.plan_options is not planner.eager_attention.plan_options
 
 
+def test_graph_slots_follow_the_split_floor() -> None:
+    # A lower split floor lets a token join more split parts: the graphs' reservation grows.
+    default = _planner().slots_per_token(8192, 256)
+    low = _planner(core_options={"min_split_tokens": 64}).slots_per_token(8192, 256)
+    assert low - default == 8192 // 64 - 8192 // 256
+
+
 def test_core_options_are_checked_and_copied() -> None:
     with pytest.raises(AttributeError, match="'split' is no PlanOptions or LaunchOptions field"):
         StepOptions(core_options={"split": True})

@@ -48,6 +48,7 @@ def _python(
     split_target=0,
     skip_idle=True,
     split_waves=False,
+    min_split_tokens=256,
 ):
     lens = np.asarray(seq_lens).astype(np.int64)
     indptr = np.asarray(qo_indptr).astype(np.int64)
@@ -57,7 +58,7 @@ def _python(
         forest,
         *pack(
             forest, block_table, lens, indptr, shape, table, packing, split_kv, split_target,
-            split_waves=split_waves,
+            split_waves=split_waves, min_split_tokens=min_split_tokens,
         ),
     )  # fmt: skip
 
@@ -90,6 +91,7 @@ def _compare(
     skip_idle: bool = True,
     split_target: int = 132,
     split_waves: bool = False,
+    min_split_tokens: int = 256,
 ) -> None:
     shape = BatchShape(heads[0], heads[1], head_dim, elem_bytes)
     table = tile_table(head_dim)
@@ -104,8 +106,11 @@ def _compare(
         split_kv,
         split_target,
     )
-    expected = _python(*args, skip_idle=skip_idle, split_waves=split_waves)
-    actual = build_plan_native(*args, forest_skips_idle=skip_idle, split_waves=split_waves)
+    floor = min_split_tokens
+    expected = _python(*args, skip_idle=skip_idle, split_waves=split_waves, min_split_tokens=floor)
+    actual = build_plan_native(
+        *args, forest_skips_idle=skip_idle, split_waves=split_waves, min_split_tokens=floor
+    )
     _assert_same(expected, actual)
 
 
@@ -119,6 +124,7 @@ def _compare(
     st.booleans(),
     st.sampled_from([0, 1, 4, 9, 16, 132]),
     st.booleans(),
+    st.sampled_from([256, 64, 16, 3, 1]),
 )
 def test_random_batches(
     batch: Batch,
@@ -129,10 +135,11 @@ def test_random_batches(
     split_kv: bool,
     split_target: int,
     split_waves: bool,
+    min_split_tokens: int,
 ) -> None:
     _compare(
         batch, heads, head_dim, elem_bytes, packing, split_kv, split_target=split_target,
-        split_waves=split_waves,
+        split_waves=split_waves, min_split_tokens=min_split_tokens,
     )  # fmt: skip
 
 
@@ -493,3 +500,30 @@ def test_split_waves_natively(spec: str, target: int, page_size: int) -> None:
     waves = build_plan_native(*args, split_waves=True)
     assert len(waves[1].kv_len) < len(plain[1].kv_len)
     _compare(batch, (32, 8), 128, 2, "memory", True, split_target=target, split_waves=True)
+
+
+@pytest.mark.parametrize("floor", [256, 64, 16, 5])
+@pytest.mark.parametrize("spec", ["1_1408", "4_1408", "16_1408", "1_8192", "1,4_1024,384"])
+def test_split_floor_natively(spec: str, floor: int) -> None:
+    # Small decode batches, where the split floor decides the parts: the op cuts the same
+    # parts as the packer, and no part is shorter than the floor (whole pages).
+    block_table, seq_lens = tree_batch(spec, 16)
+    decode = np.arange(len(seq_lens) + 1, dtype=np.int32)
+    batch = Batch(block_table, seq_lens, decode, 16, int(block_table.max()) + 1)
+    _compare(batch, (32, 8), 128, 2, "memory", True, split_waves=True, min_split_tokens=floor)
+    plan = build_plan_native(
+        block_table, seq_lens, decode, 16, BatchShape(32, 8, 128, 2), tile_table(128), "memory",
+        True, 132, split_waves=True, min_split_tokens=floor,
+    )  # fmt: skip
+    kv_len = plan[1].kv_len
+    assert int(kv_len.min()) >= min(max(floor, 16), int(seq_lens.min()))
+
+
+def test_split_floor_must_be_positive() -> None:
+    block_table, seq_lens = tree_batch("1_1408", 16)
+    decode = np.arange(2, dtype=np.int32)
+    with pytest.raises(ValueError, match="min_split_tokens"):
+        build_plan_native(
+            block_table, seq_lens, decode, 16, BatchShape(32, 8, 128, 2), tile_table(128),
+            "memory", True, 132, min_split_tokens=0,
+        )  # fmt: skip

@@ -39,7 +39,13 @@ import torch
 from torch.profiler import record_function
 
 from ..attention import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
-from ..options import LAUNCH_OPTIONS, PLAN_OPTIONS, LaunchOptions, PlanOptions
+from ..options import (
+    DEFAULT_MIN_SPLIT_TOKENS,
+    LAUNCH_OPTIONS,
+    PLAN_OPTIONS,
+    LaunchOptions,
+    PlanOptions,
+)
 from ..plan.types import LaunchPlan
 from ..runtime import library
 from .sharing import SharingProbe, TableHint
@@ -479,7 +485,10 @@ class StepPlanner:
         override = self.options.graph_slots_per_token
         if override is not None:
             return override
-        return decode_slots_per_token(max_context_len, max_requests)
+        split_floor = self.options.core_options.get("min_split_tokens", DEFAULT_MIN_SPLIT_TOKENS)
+        return decode_slots_per_token(
+            max_context_len, max_requests, min_split_tokens=int(split_floor)
+        )
 
     def reserve_graphs(
         self, max_requests: int, max_tokens: int, max_context_len: int

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .forest import PrefixForest
-from .packing import PACKINGS, BatchShape
+from .packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .tiles import TileTable
 from .types import PlanArrays
 
@@ -121,6 +121,7 @@ def build_plan_native(
     reuse_forest: bool = False,
     finish_leaf_warps: int = 0,
     split_waves: bool = False,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
 
@@ -172,6 +173,7 @@ def build_plan_native(
         bool(reuse_forest),
         int(finish_leaf_warps),
         bool(split_waves),
+        int(min_split_tokens),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()

@@ -23,12 +23,13 @@ Then, for every packing:
   row-chunks that each read the item's KV;
 - long-KV split (``split_kv``): row chunks longer than the split length (the mean KV length
   of the forest nodes that serve tokens; of the requests for ``"per_query"``; at least
-  ``MIN_SPLIT_TOKENS``) are cut, on page boundaries, into equal parts no longer than it.
+  ``min_split_tokens``, ``PlanOptions.min_split_tokens``) are cut, on page boundaries, into
+  equal parts no longer than it.
   Splitting pays only where a long pair would otherwise run on while the rest of its launch
   has finished: with ``split_target`` (the SM count) a chunk is cut only when its KV length
   is more than ``SPLIT_SLACK`` times its launch's share per SM (the KV tokens of all pairs of
   the chunks of its tile height, divided by ``split_target``), into parts no longer than
-  1 / ``SPLIT_SLACK`` of that share and no shorter than ``MIN_SPLIT_TOKENS``; the memory
+  1 / ``SPLIT_SLACK`` of that share and no shorter than ``min_split_tokens``; the memory
   packing merges children as without a split.
   ``split_target=0`` cuts every chunk longer than the split length, and the memory packing
   does not merge a child into its parent when the merged item would be cut;
@@ -43,6 +44,7 @@ import dataclasses
 
 import numpy as np
 
+from ..options import DEFAULT_MIN_SPLIT_TOKENS
 from .forest import PrefixForest
 from .layout import (
     FINISH_MAX_PARTIALS,
@@ -56,9 +58,8 @@ from .types import PlanArrays
 
 PACKINGS = ("memory", "naive", "per_query")
 
-# A split part is never shorter than this many KV tokens: shorter parts cost more in partial
-# traffic and launch granularity than they gain in balance.
-MIN_SPLIT_TOKENS = 256
+# A split part is never shorter than this many KV tokens by default (PlanOptions.min_split_tokens).
+MIN_SPLIT_TOKENS = DEFAULT_MIN_SPLIT_TOKENS
 # With a split target, a row chunk is cut only where one of its (item, KV head) pairs holds
 # more than this many times its launch's KV tokens per SM (unsplit, that launch would leave
 # SMs idle for more than half of its time), into parts of at most 1 / SPLIT_SLACK of that.
@@ -356,6 +357,7 @@ def pack(
     split_kv: bool,
     split_target: int = 0,
     split_waves: bool = False,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting.
 
@@ -363,7 +365,7 @@ def pack(
     chunk is split only where its pairs would leave SMs of their launch idle; 0 splits every
     long item regardless. ``split_waves`` (with a split target): then cut the split chunks
     of each launch into fewer parts where that shortens the launch's estimated makespan
-    (:func:`fill_waves`).
+    (:func:`fill_waves`). ``min_split_tokens``: no split part is shorter (the split floor).
     """
     ps = forest.page_size
     qo_indptr = qo_indptr.astype(np.int64)
@@ -371,7 +373,7 @@ def pack(
     lens = seq_lens.astype(np.int64)
     num_pages = (lens + ps - 1) // ps
     # Long-KV split length: the mean KV length of the forest's nodes that serve tokens (the
-    # items before any merge), or of the requests for per_query; never below MIN_SPLIT_TOKENS.
+    # items before any merge), or of the requests for per_query; never below the split floor.
     split_len = float("inf")
     if split_kv:
         if packing == "per_query":
@@ -381,7 +383,7 @@ def pack(
             below = csum[forest.req_end] - csum[forest.req_begin]
             lengths = (forest.token_end - forest.page_begin.astype(np.int64) * ps)[below > 0]
         if len(lengths):
-            split_len = max(float(lengths.mean()), MIN_SPLIT_TOKENS)
+            split_len = max(float(lengths.mean()), min_split_tokens)
     # Merges are held back from items that would be cut only when every long item is cut.
     hold_len = split_len if split_target == 0 else float("inf")
     if packing == "memory":
@@ -444,7 +446,7 @@ def pack(
     #    split target, only chunks whose pairs would leave the SMs idle are cut: those whose KV
     #    is more than SPLIT_SLACK times their launch's share per SM (the KV tokens of all pairs
     #    of the chunks of the same tile height, over split_target), into parts no longer than
-    #    1 / SPLIT_SLACK of that share and no shorter than MIN_SPLIT_TOKENS.
+    #    1 / SPLIT_SLACK of that share and no shorter than min_split_tokens.
     chunk_len = chunk_end - chunk_begin
     chunk_pages = -(-chunk_len // ps)
     parts = np.ones(n_chunks, dtype=np.int64)
@@ -470,7 +472,7 @@ def pack(
                 slots, chunk_len = slots.astype(object), chunk_len.astype(object)
             idle = chunk_len * slots > SPLIT_SLACK * launch_share
             balanced = -(-(SPLIT_SLACK * slots * chunk_len) // np.maximum(launch_share, 1))
-            floor_parts = np.maximum(chunk_len // MIN_SPLIT_TOKENS, 1)
+            floor_parts = np.maximum(chunk_len // min_split_tokens, 1)
             # Leaf chunks (one warp per pair) are cut by the balance alone, not by the split
             # length: one long request would otherwise keep a single part.
             cap = np.where(per_sm[height] > 1, chunk_pages, parts)

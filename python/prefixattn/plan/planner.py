@@ -28,7 +28,7 @@ from .layout import (
     variant_bounds,
 )
 from .native import build_plan_native
-from .packing import BatchShape, pack
+from .packing import MIN_SPLIT_TOKENS, BatchShape, pack
 from .packing import finish_in_leaf as finish_tokens_in_leaf
 from .tiles import TileTable
 from .types import PlanArrays
@@ -189,6 +189,7 @@ def build_host_plan(
     max_bytes: int | None = None,
     page_ids: bool = True,
     split_waves: bool = False,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> HostPlan:
     """The host plan of checked inputs.
 
@@ -219,7 +220,7 @@ def build_host_plan(
             built = build_plan_native(
                 table, lens, indptr, page_size, shape, table_of_tiles, packing, split_kv,
                 target, reuse_forest=bool(forests), finish_leaf_warps=leaf_warps,
-                split_waves=split_waves,
+                split_waves=split_waves, min_split_tokens=min_split_tokens,
             )  # fmt: skip
             forests.append(built[0])
             return built
@@ -230,7 +231,7 @@ def build_host_plan(
         forest = forests[0]
         return forest, *pack(
             forest, table, lens, indptr, shape, table_of_tiles, packing, split_kv, target,
-            split_waves=split_waves,
+            split_waves=split_waves, min_split_tokens=min_split_tokens,
         )  # fmt: skip
 
     forest, host, plan_tiles, tile_indptr, acc = build(tiles)
