@@ -120,6 +120,9 @@ ABLATIONS: dict[str, Variant] = {
     "split_floor64": Variant(plan={"min_split_tokens": 64}),
     "split_floor32": Variant(plan={"min_split_tokens": 32}),
     "split_floor16": Variant(plan={"min_split_tokens": 16}),
+    # the same under the grids of graph capture
+    "fixed_floor64": Variant(plan={"min_split_tokens": 64}, launch={"fixed_grid": True}),
+    "fixed_floor32": Variant(plan={"min_split_tokens": 32}, launch={"fixed_grid": True}),
     # one KV head per (item, KV head) pair of the 16-row kernel
     "unpacked_heads": Variant(plan={"pack_heads": False}),
     "prefetch2": Variant(launch={"prefetch_tiles": 2}),
