@@ -18,6 +18,7 @@ DEFAULTS = {
     "one_launch_in_one_wave": True,
     "split_waves": True,
     "min_split_tokens": 256,
+    "leaf_split_tokens": 64,
     "max_plan_bytes": 8 * 2**30,
     "use_kernels": True,
     "prefetch_tiles": 0,
@@ -80,6 +81,8 @@ def test_switches_take_bools_only(name: str, value: object) -> None:
         (PlanOptions, "min_split_tokens", 0, ValueError),
         (PlanOptions, "min_split_tokens", 2**31, ValueError),
         (PlanOptions, "min_split_tokens", 64.0, TypeError),
+        (PlanOptions, "leaf_split_tokens", 0, ValueError),
+        (PlanOptions, "leaf_split_tokens", None, TypeError),
     ],
 )
 def test_counts_are_checked(options: type, field: str, value: object, error: type) -> None:

@@ -595,7 +595,8 @@ struct Parts {
 // How many parts the split rule cuts chunk `c` into (step 3). The products are formed in 128
 // bits: split_target is the caller's, and len * slots exceeds int64 from about 1e13 on.
 int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chunks, int64_t c,
-                  int64_t g, double split_len, const std::vector<int64_t>& launch_len) {
+                  int64_t g, double split_len, const std::vector<int64_t>& launch_len,
+                  int64_t floor_tokens) {
   if (!p.split_kv) return 1;
   const int64_t len = chunks.len(c);
   const int64_t pages = ceildiv(len, p.page_size);
@@ -613,8 +614,7 @@ int64_t num_parts(const PlanParams& p, const TileTable& tiles, const Chunks& chu
   const int64_t cap = per_sm > 1 ? pages : parts;
   const wide divisor = std::max<int64_t>(share, 1);
   const wide balanced = (static_cast<wide>(kSplitSlack) * slots * len + divisor - 1) / divisor;
-  const int64_t bound =
-      std::min<int64_t>(cap, std::max<int64_t>(floordiv(len, p.min_split_tokens), 1));
+  const int64_t bound = std::min<int64_t>(cap, std::max<int64_t>(floordiv(len, floor_tokens), 1));
   return balanced < bound ? static_cast<int64_t>(balanced) : bound;
 }
 
@@ -704,21 +704,28 @@ void fill_waves(const PlanParams& p, const std::vector<int64_t>& height,
 // Step 3: long-KV split into equal page-aligned parts; each part's visible slots. With a split
 // target, only chunks whose KV is more than kSplitSlack times their launch's share per SM (the
 // KV tokens of the chunks of their tile height x KV heads / split_target) are cut, into parts
-// no longer than 1 / kSplitSlack of that share and no shorter than min_split_tokens; with
+// no longer than 1 / kSplitSlack of that share and no shorter than the split floor
+// (leaf_split_tokens where every chunk takes the leaf kernel, else min_split_tokens); with
 // split_waves, fill_waves may then cut them into fewer.
 void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots,
                  const Chunks& chunks, int64_t g, double split_len, Parts& parts) {
   const int64_t ps = p.page_size;
   const int64_t n_chunks = chunks.size();
   std::vector<int64_t> launch_len(tiles.num_heights(), 0);
+  // The split floor: leaf_split_tokens where every chunk takes the leaf kernel (one warp per
+  // pair), else min_split_tokens (packing.split_floor).
+  bool leaf_only = n_chunks > 0;
   if (p.split_kv && p.split_target > 0) {
     for (int64_t c = 0; c < n_chunks; ++c) {
-      launch_len[tiles.height_of(chunks.slots(c) * g, chunks.len(c))] += chunks.len(c);
+      const int64_t h = tiles.height_of(chunks.slots(c) * g, chunks.len(c));
+      launch_len[h] += chunks.len(c);
+      leaf_only = leaf_only && pairs_per_sm(p.m_sizes[h], p.head_dim) > 1;
     }
   }
+  const int64_t floor_tokens = leaf_only ? p.leaf_split_tokens : p.min_split_tokens;
   std::vector<int64_t> chunk_parts(n_chunks);
   for (int64_t c = 0; c < n_chunks; ++c) {
-    chunk_parts[c] = num_parts(p, tiles, chunks, c, g, split_len, launch_len);
+    chunk_parts[c] = num_parts(p, tiles, chunks, c, g, split_len, launch_len, floor_tokens);
   }
   if (p.split_kv && p.split_target > 0 && p.split_waves) {
     std::vector<int64_t> height(n_chunks), len(n_chunks);

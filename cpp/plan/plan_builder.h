@@ -67,8 +67,11 @@ struct PlanParams {
   // its tile height / split_target), into parts of at most half that share and at least
   // min_split_tokens tokens. 0 splits every long item.
   int64_t split_target = 0;
-  // No split part is shorter than this many KV tokens (PlanOptions.min_split_tokens, >= 1).
+  // No split part is shorter than this many KV tokens (PlanOptions.min_split_tokens, >= 1);
+  // leaf_split_tokens instead where split_target > 0 and every row chunk takes the leaf kernel
+  // (PlanOptions.leaf_split_tokens).
   int64_t min_split_tokens = 256;
+  int64_t leaf_split_tokens = 64;
   // With split_target > 0: cut the split chunks of each tile height into fewer parts where the
   // launch's estimated makespan is shorter (packing.fill_waves).
   bool split_waves = true;

@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
     int64_t elem_bytes, at::IntArrayRef m_sizes, at::IntArrayRef n_bounds, at::IntArrayRef n_sizes,
     c10::string_view packing, bool split_kv, int64_t split_target, bool forest_skips_idle,
     int64_t wide_rows, int64_t wide_kv_len, bool reuse_forest, int64_t finish_leaf_warps,
-    bool split_waves, int64_t min_split_tokens) {
+    bool split_waves, int64_t min_split_tokens, int64_t leaf_split_tokens) {
   TORCH_CHECK(block_table.device().is_cpu(), "build_plan: block_table must be a CPU tensor");
   TORCH_CHECK(block_table.dim() == 2, "build_plan: block_table must be 2-D, got ",
               block_table.dim(), "-D");
@@ -101,6 +101,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_plan_op(
   TORCH_CHECK_VALUE(min_split_tokens >= 1, "build_plan: min_split_tokens must be >= 1, got ",
                     min_split_tokens);
   p.min_split_tokens = min_split_tokens;
+  TORCH_CHECK_VALUE(leaf_split_tokens >= 1, "build_plan: leaf_split_tokens must be >= 1, got ",
+                    leaf_split_tokens);
+  p.leaf_split_tokens = leaf_split_tokens;
   TORCH_CHECK_VALUE(finish_leaf_warps >= 0, "build_plan: finish_leaf_warps must be >= 0, got ",
                     finish_leaf_warps);
   p.finish_leaf_warps = finish_leaf_warps;
@@ -193,7 +196,8 @@ TORCH_LIBRARY_FRAGMENT(prefixattn, m) {
       "int num_qo_heads, int num_kv_heads, int head_dim, int elem_bytes, int[] m_sizes, "
       "int[] n_bounds, int[] n_sizes, str packing, bool split_kv, int split_target, "
       "bool forest_skips_idle, int wide_rows=0, int wide_kv_len=0, bool reuse_forest=False, "
-      "int finish_leaf_warps=0, bool split_waves=False, int min_split_tokens=256) "
+      "int finish_leaf_warps=0, bool split_waves=False, int min_split_tokens=256, "
+      "int leaf_split_tokens=64) "
       "-> (Tensor, Tensor, Tensor)");
 }
 

@@ -73,7 +73,11 @@ def decode_slots_per_token(
     to ``depth_allowance``) plus the long-KV split parts. A split part is never shorter than
     ``min_split_tokens`` (``PlanOptions.min_split_tokens``), so a token joins at most
     ``min(ceil(L / min_split_tokens), 2 * B)`` extra parts (B requests make at most 2B - 1
-    forest nodes).
+    forest nodes). Plans of leaf chunks alone (small decode batches) are cut at
+    ``PlanOptions.leaf_split_tokens`` instead, but by the split rule's balance into at most
+    ``2 x 8 x split_target / num_kv_heads`` parts beyond one per chunk in all: for small
+    batches that fits the spare slots of :func:`decode_reservation`; a plan that does not
+    fit raises where captured graphs would read moved buffers.
     """
     parts = min(2 * max_requests, -(-max_context_len // min_split_tokens)) + 1
     return depth_allowance + parts
@@ -303,6 +307,7 @@ class PrefixAttention:
     one_launch_in_one_wave = _Option[bool]("plan_options", PlanOptions)
     split_waves = _Option[bool]("plan_options", PlanOptions)
     min_split_tokens = _Option[int]("plan_options", PlanOptions)
+    leaf_split_tokens = _Option[int]("plan_options", PlanOptions)
     max_plan_bytes = _Option[int | None]("plan_options", PlanOptions)
     use_kernels = _Option[bool]("launch_options", LaunchOptions)
     prefetch_tiles = _Option[int]("launch_options", LaunchOptions)
@@ -812,6 +817,7 @@ class PrefixAttention:
                 pack_heads=options.pack_heads, max_bytes=options.max_plan_bytes,
                 page_ids=page_table is None, split_waves=options.split_waves,
                 min_split_tokens=options.min_split_tokens,
+                leaf_split_tokens=options.leaf_split_tokens,
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None

@@ -114,15 +114,14 @@ ABLATIONS: dict[str, Variant] = {
     "per_height": Variant(plan={"one_launch_in_one_wave": False}),
     # the split rule's parts, not fewer where they fill whole waves
     "no_waves": Variant(plan={"split_waves": False}),
-    # a lower split floor (PlanOptions.min_split_tokens): more, shorter parts where few pairs
-    # would leave SMs idle (small decode batches)
-    "split_floor128": Variant(plan={"min_split_tokens": 128}),
-    "split_floor64": Variant(plan={"min_split_tokens": 64}),
-    "split_floor32": Variant(plan={"min_split_tokens": 32}),
-    "split_floor16": Variant(plan={"min_split_tokens": 16}),
-    # the same under the grids of graph capture
-    "fixed_floor64": Variant(plan={"min_split_tokens": 64}, launch={"fixed_grid": True}),
-    "fixed_floor32": Variant(plan={"min_split_tokens": 32}, launch={"fixed_grid": True}),
+    # the leaf floor of the general one (PlanOptions.leaf_split_tokens = 256): small decode
+    # batches in fewer, longer parts, host-sized and graph-capture grids
+    "leaf_floor256": Variant(plan={"leaf_split_tokens": 256}),
+    "fixed_leaf_floor256": Variant(plan={"leaf_split_tokens": 256}, launch={"fixed_grid": True}),
+    # one lower split floor for every plan (PlanOptions.min_split_tokens and leaf_split_tokens)
+    "split_floor64": Variant(plan={"min_split_tokens": 64, "leaf_split_tokens": 64}),
+    "split_floor32": Variant(plan={"min_split_tokens": 32, "leaf_split_tokens": 32}),
+    "split_floor16": Variant(plan={"min_split_tokens": 16, "leaf_split_tokens": 16}),
     # one KV head per (item, KV head) pair of the 16-row kernel
     "unpacked_heads": Variant(plan={"pack_heads": False}),
     "prefetch2": Variant(launch={"prefetch_tiles": 2}),

@@ -20,6 +20,9 @@ DEFAULT_MAX_PLAN_BYTES = 8 * 2**30
 DEFAULT_MIN_SPLIT_TOKENS = 256
 """``PlanOptions.min_split_tokens`` by default."""
 
+DEFAULT_LEAF_SPLIT_TOKENS = 64
+"""``PlanOptions.leaf_split_tokens`` by default."""
+
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
@@ -103,10 +106,17 @@ class PlanOptions(_Checked):
     parts."""
 
     min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS
-    """A long-KV split part is never shorter than this many KV tokens (a chunk shorter than
-    twice it is not split). Shorter parts add partial rows for the merge and per-pair start
-    cost; longer ones leave SMs idle where a launch has few pairs (small decode batches).
-    Values below the page size act as the page size (parts are whole pages)."""
+    """The split floor: a long-KV split part is never shorter than this many KV tokens (a
+    chunk shorter than twice it is not split). Shorter parts add partial rows for the merge
+    and per-pair start cost; longer ones leave SMs idle where a launch has few pairs. Values
+    below the page size act as the page size (parts are whole pages)."""
+
+    leaf_split_tokens: int = DEFAULT_LEAF_SPLIT_TOKENS
+    """The split floor instead of ``min_split_tokens`` for plans whose row chunks all take
+    the leaf kernel's 16-row tiles (head_dim <= 128; with a split target): small decode
+    batches, where a few long pairs, one warp each, would leave most SMs idle. 64 (default)
+    took one request of 1408 tokens from 24.0 to 15.5 us on an H200 (docs/dev/log.md, "The
+    split floor of small decode batches")."""
 
     max_plan_bytes: int | None = DEFAULT_MAX_PLAN_BYTES
     """Refuse (``MemoryError``) to build a plan whose estimated host memory is larger than
@@ -124,6 +134,7 @@ class PlanOptions(_Checked):
         "one_launch_in_one_wave": _check_bool,
         "split_waves": _check_bool,
         "min_split_tokens": lambda o, n, v: _check_positive(o, n, v),
+        "leaf_split_tokens": lambda o, n, v: _check_positive(o, n, v),
         "max_plan_bytes": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
     }
 

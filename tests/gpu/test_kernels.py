@@ -131,7 +131,7 @@ def check(
     split_target=None,
     narrow=True,
     split_waves=True,
-    min_split_tokens=256,
+    leaf_split_tokens=64,
 ):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -147,7 +147,7 @@ def check(
     if split_target is not None:
         pa.split_target = split_target
     pa.split_waves = split_waves
-    pa.min_split_tokens = min_split_tokens
+    pa.leaf_split_tokens = leaf_split_tokens
     plan = pa.plan(table, lens, qo_indptr, packing=packing, split_kv=split_kv)
     out = torch.full_like(q, float("nan"))
     scale = 1.0 / math.sqrt(d)
@@ -621,12 +621,12 @@ def test_split_waves(spec, target, page_size, waves):
 @pytest.mark.parametrize("spec", ["1_1408", "4_1408", "16_1408", "1,4_1024,384"])
 @pytest.mark.parametrize("fixed", [False, True])
 def test_split_floor(spec, floor, fixed):
-    # Small decode batches cut into many short parts (PlanOptions.min_split_tokens): up to 88
+    # Small decode batches cut into many short parts (PlanOptions.leaf_split_tokens): up to 88
     # partial rows per token for the merge, on host-sized and fixed grids.
     table, lens = tree_batch(spec, 16, seed=1)
     plan = check(
         32, 8, 128, 16, torch.bfloat16, "NHD", False, table, lens, int(table.max()) + 1,
-        np.ones(len(lens), dtype=np.int32), fixed_grid=fixed, min_split_tokens=floor,
+        np.ones(len(lens), dtype=np.int32), fixed_grid=fixed, leaf_split_tokens=floor,
     )  # fmt: skip
     assert plan.num_partials > 0
 

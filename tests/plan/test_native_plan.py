@@ -49,6 +49,7 @@ def _python(
     skip_idle=True,
     split_waves=False,
     min_split_tokens=256,
+    leaf_split_tokens=64,
 ):
     lens = np.asarray(seq_lens).astype(np.int64)
     indptr = np.asarray(qo_indptr).astype(np.int64)
@@ -59,6 +60,7 @@ def _python(
         *pack(
             forest, block_table, lens, indptr, shape, table, packing, split_kv, split_target,
             split_waves=split_waves, min_split_tokens=min_split_tokens,
+            leaf_split_tokens=leaf_split_tokens,
         ),
     )  # fmt: skip
 
@@ -92,6 +94,7 @@ def _compare(
     split_target: int = 132,
     split_waves: bool = False,
     min_split_tokens: int = 256,
+    leaf_split_tokens: int = 64,
 ) -> None:
     shape = BatchShape(heads[0], heads[1], head_dim, elem_bytes)
     table = tile_table(head_dim)
@@ -106,11 +109,15 @@ def _compare(
         split_kv,
         split_target,
     )
-    floor = min_split_tokens
-    expected = _python(*args, skip_idle=skip_idle, split_waves=split_waves, min_split_tokens=floor)
+    floors = (min_split_tokens, leaf_split_tokens)
+    expected = _python(
+        *args, skip_idle=skip_idle, split_waves=split_waves, min_split_tokens=floors[0],
+        leaf_split_tokens=floors[1],
+    )  # fmt: skip
     actual = build_plan_native(
-        *args, forest_skips_idle=skip_idle, split_waves=split_waves, min_split_tokens=floor
-    )
+        *args, forest_skips_idle=skip_idle, split_waves=split_waves, min_split_tokens=floors[0],
+        leaf_split_tokens=floors[1],
+    )  # fmt: skip
     _assert_same(expected, actual)
 
 
@@ -125,6 +132,7 @@ def _compare(
     st.sampled_from([0, 1, 4, 9, 16, 132]),
     st.booleans(),
     st.sampled_from([256, 64, 16, 3, 1]),
+    st.sampled_from([64, 256, 16, 1]),
 )
 def test_random_batches(
     batch: Batch,
@@ -136,10 +144,12 @@ def test_random_batches(
     split_target: int,
     split_waves: bool,
     min_split_tokens: int,
+    leaf_split_tokens: int,
 ) -> None:
     _compare(
         batch, heads, head_dim, elem_bytes, packing, split_kv, split_target=split_target,
         split_waves=split_waves, min_split_tokens=min_split_tokens,
+        leaf_split_tokens=leaf_split_tokens,
     )  # fmt: skip
 
 
@@ -505,18 +515,38 @@ def test_split_waves_natively(spec: str, target: int, page_size: int) -> None:
 @pytest.mark.parametrize("floor", [256, 64, 16, 5])
 @pytest.mark.parametrize("spec", ["1_1408", "4_1408", "16_1408", "1_8192", "1,4_1024,384"])
 def test_split_floor_natively(spec: str, floor: int) -> None:
-    # Small decode batches, where the split floor decides the parts: the op cuts the same
-    # parts as the packer, and no part is shorter than the floor (whole pages).
+    # Small decode batches (leaf chunks alone), where the split floor decides the parts: the
+    # op cuts the same parts as the packer, and no part is shorter than the floor.
     block_table, seq_lens = tree_batch(spec, 16)
     decode = np.arange(len(seq_lens) + 1, dtype=np.int32)
     batch = Batch(block_table, seq_lens, decode, 16, int(block_table.max()) + 1)
-    _compare(batch, (32, 8), 128, 2, "memory", True, split_waves=True, min_split_tokens=floor)
+    _compare(batch, (32, 8), 128, 2, "memory", True, split_waves=True, leaf_split_tokens=floor)
     plan = build_plan_native(
         block_table, seq_lens, decode, 16, BatchShape(32, 8, 128, 2), tile_table(128), "memory",
-        True, 132, split_waves=True, min_split_tokens=floor,
+        True, 132, split_waves=True, leaf_split_tokens=floor,
     )  # fmt: skip
     kv_len = plan[1].kv_len
     assert int(kv_len.min()) >= min(max(floor, 16), int(seq_lens.min()))
+
+
+@pytest.mark.parametrize("leaf_floor", [64, 256])
+def test_leaf_floor_only_where_every_chunk_is_a_leaf_chunk(leaf_floor: int) -> None:
+    # 10 requests under a 4096-token prefix: the prefix's 40 rows take a 64-row tile, so the
+    # general floor (256) decides and the leaf floor changes nothing; 4 requests under a
+    # 1024-token prefix (16 rows, leaf chunks alone) are cut at the leaf floor.
+    shape, tiles = BatchShape(32, 8, 128, 2), tile_table(128)
+    items = {}
+    for spec in ("1,10_4096,416", "1,4_1024,384"):
+        block_table, seq_lens = tree_batch(spec, 1 if spec.startswith("1,10") else 16)
+        decode = np.arange(len(seq_lens) + 1, dtype=np.int32)
+        ps = 1 if spec.startswith("1,10") else 16
+        plan = build_plan_native(
+            block_table, seq_lens, decode, ps, shape, tiles, "memory", True, 132,
+            split_waves=True, leaf_split_tokens=leaf_floor,
+        )  # fmt: skip
+        items[spec] = len(plan[1].kv_len)
+    assert items["1,10_4096,416"] == 16
+    assert items["1,4_1024,384"] == (40 if leaf_floor == 64 else 8)
 
 
 def test_split_floor_must_be_positive() -> None:
@@ -526,4 +556,9 @@ def test_split_floor_must_be_positive() -> None:
         build_plan_native(
             block_table, seq_lens, decode, 16, BatchShape(32, 8, 128, 2), tile_table(128),
             "memory", True, 132, min_split_tokens=0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="leaf_split_tokens"):
+        build_plan_native(
+            block_table, seq_lens, decode, 16, BatchShape(32, 8, 128, 2), tile_table(128),
+            "memory", True, 132, leaf_split_tokens=0,
         )  # fmt: skip

@@ -582,9 +582,10 @@ def test_few_long_leaf_requests_fill_the_warps(spec, heads):
     """A few long decode requests without sharing run in the leaf kernel, one warp per (item,
     KV head) pair, 8 pairs per SM: their chunks are cut (whatever the mean node length, which
     is the whole request here) until the launch holds at least half of 8 x 132 pairs, in
-    parts of at least MIN_SPLIT_TOKENS tokens. Packing of heads then follows packed_heads."""
+    parts of at least LEAF_SPLIT_TOKENS tokens (the leaf floor: every chunk is a leaf
+    chunk). Packing of heads then follows packed_heads."""
     from prefixattn.plan.layout import LEAF_PAIRS_PER_SM, PACKED_HEADS, packed_heads
-    from prefixattn.plan.packing import MIN_SPLIT_TOKENS, SPLIT_SLACK
+    from prefixattn.plan.packing import LEAF_SPLIT_TOKENS, SPLIT_SLACK
 
     hq, hkv = heads
     pa = PrefixAttention(hq, hkv, 128, 16)
@@ -596,9 +597,9 @@ def test_few_long_leaf_requests_fill_the_warps(spec, heads):
     pairs = len(h.kv_len) * hkv
     assert (
         pairs >= LEAF_PAIRS_PER_SM * 132 // SPLIT_SLACK
-        or int(h.kv_len.max()) < 2 * MIN_SPLIT_TOKENS
+        or int(h.kv_len.max()) < 2 * LEAF_SPLIT_TOKENS
     )
-    assert int(h.kv_len.min()) >= MIN_SPLIT_TOKENS
+    assert int(h.kv_len.min()) >= LEAF_SPLIT_TOKENS
     assert plan.counts.tolist()[PACKED_HEADS] == packed_heads(hq // hkv, hkv, len(h.kv_len), 132)
     # head_dim 256 runs its 16-row tiles on the CUDA-core kernel, one pair per SM: cut no more.
     pa256 = PrefixAttention(hq, hkv, 256, 16)

@@ -214,17 +214,18 @@ def test_split_waves_changes_the_plan_not_the_output() -> None:
 @pytest.mark.parametrize("floor", [64, 16])
 @pytest.mark.parametrize("spec", ["1_1408", "4_1408", "1,4_1024,384"])
 def test_split_floor_changes_the_plan_not_the_output(spec: str, floor: int) -> None:
-    # A lower split floor cuts small decode batches into more, shorter parts (one request of
-    # 1408 tokens: 5 parts at the default 256, 22 at 64); the output stays exact.
+    # The leaf floor cuts small decode batches into more, shorter parts (one request of 1408
+    # tokens: 5 parts at 256, 22 at 64); the output stays exact.
     table, lens = tree_batch(spec, page_size=16)
     hq, hkv, d = 32, 8, 64
     q, k, v = _decode_inputs(table, lens, hq, hkv, d)
     pa = PrefixAttention(hq, hkv, d, 16, dtype=torch.float64)
-    default = pa.plan(table, lens)
-    pa.min_split_tokens = floor
-    low = pa.plan(table, lens)
-    assert low.num_work_items > default.num_work_items
-    assert int(low.host.kv_len.min()) >= floor
+    pa.leaf_split_tokens = 256
+    coarse = pa.plan(table, lens)
+    pa.leaf_split_tokens = floor
+    fine = pa.plan(table, lens)
+    assert fine.num_work_items > coarse.num_work_items
+    assert int(fine.host.kv_len.min()) >= floor
     out = pa.run(q, k, v)
     ref = attention_reference(q, k, v, torch.as_tensor(table), torch.as_tensor(lens))
     assert _relative_error(out, ref) < 1e-12

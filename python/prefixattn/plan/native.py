@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .forest import PrefixForest
-from .packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
+from .packing import LEAF_SPLIT_TOKENS, MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .tiles import TileTable
 from .types import PlanArrays
 
@@ -122,6 +122,7 @@ def build_plan_native(
     finish_leaf_warps: int = 0,
     split_waves: bool = False,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    leaf_split_tokens: int = LEAF_SPLIT_TOKENS,
 ) -> tuple[PrefixForest, PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """The forest, host plan arrays, tiles, tile-group bounds and byte accounting of a batch.
 
@@ -174,6 +175,7 @@ def build_plan_native(
         int(finish_leaf_warps),
         bool(split_waves),
         int(min_split_tokens),
+        int(leaf_split_tokens),
     )
     ints = ints_t.numpy()
     meta = meta_t.numpy()

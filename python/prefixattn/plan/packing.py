@@ -44,7 +44,7 @@ import dataclasses
 
 import numpy as np
 
-from ..options import DEFAULT_MIN_SPLIT_TOKENS
+from ..options import DEFAULT_LEAF_SPLIT_TOKENS, DEFAULT_MIN_SPLIT_TOKENS
 from .forest import PrefixForest
 from .layout import (
     FINISH_MAX_PARTIALS,
@@ -60,6 +60,8 @@ PACKINGS = ("memory", "naive", "per_query")
 
 # A split part is never shorter than this many KV tokens by default (PlanOptions.min_split_tokens).
 MIN_SPLIT_TOKENS = DEFAULT_MIN_SPLIT_TOKENS
+# ... and of plans whose row chunks all take the leaf kernel (PlanOptions.leaf_split_tokens).
+LEAF_SPLIT_TOKENS = DEFAULT_LEAF_SPLIT_TOKENS
 # With a split target, a row chunk is cut only where one of its (item, KV head) pairs holds
 # more than this many times its launch's KV tokens per SM (unsplit, that launch would leave
 # SMs idle for more than half of its time), into parts of at most 1 / SPLIT_SLACK of that.
@@ -358,6 +360,7 @@ def pack(
     split_target: int = 0,
     split_waves: bool = False,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    leaf_split_tokens: int = LEAF_SPLIT_TOKENS,
 ) -> tuple[PlanArrays, tuple[tuple[int, int], ...], tuple[int, ...], dict[str, int]]:
     """Pack the batch; returns host arrays, tiles, tile-group bounds and byte accounting.
 
@@ -365,7 +368,9 @@ def pack(
     chunk is split only where its pairs would leave SMs of their launch idle; 0 splits every
     long item regardless. ``split_waves`` (with a split target): then cut the split chunks
     of each launch into fewer parts where that shortens the launch's estimated makespan
-    (:func:`fill_waves`). ``min_split_tokens``: no split part is shorter (the split floor).
+    (:func:`fill_waves`). ``min_split_tokens``: no split part is shorter (the split floor);
+    ``leaf_split_tokens``: the floor instead where, with a split target, every row chunk
+    takes the leaf kernel (one warp per pair: small decode batches).
     """
     ps = forest.page_size
     qo_indptr = qo_indptr.astype(np.int64)
@@ -446,7 +451,8 @@ def pack(
     #    split target, only chunks whose pairs would leave the SMs idle are cut: those whose KV
     #    is more than SPLIT_SLACK times their launch's share per SM (the KV tokens of all pairs
     #    of the chunks of the same tile height, over split_target), into parts no longer than
-    #    1 / SPLIT_SLACK of that share and no shorter than min_split_tokens.
+    #    1 / SPLIT_SLACK of that share and no shorter than the split floor (leaf_split_tokens
+    #    where every chunk takes the leaf kernel, else min_split_tokens).
     chunk_len = chunk_end - chunk_begin
     chunk_pages = -(-chunk_len // ps)
     parts = np.ones(n_chunks, dtype=np.int64)
@@ -472,7 +478,9 @@ def pack(
                 slots, chunk_len = slots.astype(object), chunk_len.astype(object)
             idle = chunk_len * slots > SPLIT_SLACK * launch_share
             balanced = -(-(SPLIT_SLACK * slots * chunk_len) // np.maximum(launch_share, 1))
-            floor_parts = np.maximum(chunk_len // min_split_tokens, 1)
+            leaf_only = bool(np.all(per_sm[height] > 1))
+            floor = leaf_split_tokens if leaf_only else min_split_tokens
+            floor_parts = np.maximum(chunk_len // floor, 1)
             # Leaf chunks (one warp per pair) are cut by the balance alone, not by the split
             # length: one long request would otherwise keep a single part.
             cap = np.where(per_sm[height] > 1, chunk_pages, parts)

@@ -28,7 +28,7 @@ from .layout import (
     variant_bounds,
 )
 from .native import build_plan_native
-from .packing import MIN_SPLIT_TOKENS, BatchShape, pack
+from .packing import LEAF_SPLIT_TOKENS, MIN_SPLIT_TOKENS, BatchShape, pack
 from .packing import finish_in_leaf as finish_tokens_in_leaf
 from .tiles import TileTable
 from .types import PlanArrays
@@ -190,6 +190,7 @@ def build_host_plan(
     page_ids: bool = True,
     split_waves: bool = False,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    leaf_split_tokens: int = LEAF_SPLIT_TOKENS,
 ) -> HostPlan:
     """The host plan of checked inputs.
 
@@ -221,6 +222,7 @@ def build_host_plan(
                 table, lens, indptr, page_size, shape, table_of_tiles, packing, split_kv,
                 target, reuse_forest=bool(forests), finish_leaf_warps=leaf_warps,
                 split_waves=split_waves, min_split_tokens=min_split_tokens,
+                leaf_split_tokens=leaf_split_tokens,
             )  # fmt: skip
             forests.append(built[0])
             return built
@@ -232,6 +234,7 @@ def build_host_plan(
         return forest, *pack(
             forest, table, lens, indptr, shape, table_of_tiles, packing, split_kv, target,
             split_waves=split_waves, min_split_tokens=min_split_tokens,
+            leaf_split_tokens=leaf_split_tokens,
         )  # fmt: skip
 
     forest, host, plan_tiles, tile_indptr, acc = build(tiles)
