@@ -13,9 +13,15 @@ on) joins. Rows move as the engine moves them:
 - ``vllm``: the model runner's order (the same), with its request-state indices as ids;
 - ``vllm-v1``: the older runner's, the last rows moved into the gaps, new requests last.
 
-It prints the plan kinds (``hinted-fallback``: the check failed) and the planner's counts.
+With ``--extend`` (SGLang's steps), the new requests of a step are first prefilled in a
+step of their own (their user tokens; the shared prefix is cached), as SGLang runs extend
+batches apart from decode batches.
 
-    python benchmarks/hint_fallbacks.py --order sglang --steps 120
+It prints the plan kinds of the decode steps (``hinted-fallback``: the check failed;
+``unshared``: planned without the sharing), those of the extend steps, and the planner's
+counts.
+
+    python benchmarks/hint_fallbacks.py --order sglang --steps 120 --extend
 """
 
 from __future__ import annotations
@@ -52,15 +58,52 @@ class Requests:
         return out
 
     def new(self) -> list[Any]:
+        """[pages, length, tokens left, id, prompt tokens not cached]"""
         prefix = self.prefixes[int(self.rng.integers(0, len(self.prefixes)))]
         user = int(self.rng.integers(64, 321))
         out = int(self.rng.integers(16, 257))
         pages = prefix + self._pages(user + out + self.ps)
         self.next_id += 1
-        return [pages, len(prefix) * self.ps + user, out, self.next_id]
+        return [pages, len(prefix) * self.ps + user, out, self.next_id, user]
 
 
-def run(order: str, steps: int, requests: int, page_size: int, seed: int) -> dict[str, Any]:
+def _table(rows: list[list[Any]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.array([r[1] for r in rows], np.int32)
+    width = int(-(-lens.max() // page_size)) + 1
+    table = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        n = -(-r[1] // page_size)
+        table[i, :n] = r[0][:n]
+    return table, lens
+
+
+def _step(
+    planner: StepPlanner,
+    rows: list[list[Any]],
+    page_size: int,
+    qo_indptr: np.ndarray | None,
+    extra: dict[str, Any],
+) -> str:
+    """Plan one step of ``rows`` (decode when ``qo_indptr`` is None); its plan kind."""
+    table, lens = _table(rows, page_size)
+    choice = planner.choose(len(rows), decode=qo_indptr is None)
+    attention = planner.attention_for(graph=False)
+    if choice.device_table:
+        plan = planner.plan_device(
+            attention, choice, torch.from_numpy(table), lens, qo_indptr, num_real=len(rows),
+            **extra,
+        )  # fmt: skip
+    else:
+        plan = planner.plan_host(attention, table, lens, qo_indptr, num_real=len(rows), **extra)
+    kind: str = choice.kind
+    if plan.fallback_taken is not None and bool(plan.fallback_taken):
+        kind += "-fallback"
+    return kind
+
+
+def run(
+    order: str, steps: int, requests: int, page_size: int, seed: int, extend: bool = False
+) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     model = Requests(rng, page_size)
     planner = StepPlanner(
@@ -69,6 +112,7 @@ def run(order: str, steps: int, requests: int, page_size: int, seed: int) -> dic
     )
     rows = [model.new() for _ in range(requests)]
     kinds: dict[str, int] = {}
+    extend_kinds: dict[str, int] = {}
     for _ in range(steps):
         if order == "vllm-v1":
             for i in reversed([i for i, r in enumerate(rows) if r[2] <= 0]):
@@ -77,33 +121,27 @@ def run(order: str, steps: int, requests: int, page_size: int, seed: int) -> dic
                     rows[i] = last
         else:
             rows = [r for r in rows if r[2] > 0]
-        while len(rows) < requests:
-            rows.append(model.new())
+        new: list[list[Any]] = []
+        while len(rows) + len(new) < requests:
+            new.append(model.new())
+        if extend and new:
+            # The new requests' prefill, apart: their user tokens on the cached prefix.
+            indptr = np.concatenate([[0], np.cumsum([r[4] for r in new])]).astype(np.int32)
+            kind = _step(planner, new, page_size, indptr, {})
+            extend_kinds[kind] = extend_kinds.get(kind, 0) + 1
+        rows += new
         for r in rows:
             r[1] += 1
             r[2] -= 1
-        lens = np.array([r[1] for r in rows], np.int32)
-        width = int(-(-lens.max() // page_size)) + 1
-        table = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):
-            n = -(-r[1] // page_size)
-            table[i, :n] = r[0][:n]
         # Request ids only where the engine gives them (and so a build without them runs too).
         extra: dict[str, Any] = {"ids": np.array([r[3] for r in rows])} if order == "vllm" else {}
-        choice = planner.choose(len(rows), decode=True)
-        attention = planner.attention_for(graph=False)
-        if choice.device_table:
-            plan = planner.plan_device(
-                attention, choice, torch.from_numpy(table), lens, num_real=len(rows), **extra
-            )
-        else:
-            plan = planner.plan_host(attention, table, lens, num_real=len(rows), **extra)
-        kind: str = choice.kind
-        if plan.fallback_taken is not None and bool(plan.fallback_taken):
-            kind += "-fallback"
+        kind = _step(planner, rows, page_size, None, extra)
         kinds[kind] = kinds.get(kind, 0) + 1
     counts = getattr(planner, "hint_rows", None)  # builds before the counts have none
-    return {"order": order, "steps": steps, "kinds": kinds, "hint_rows": counts}
+    out = {"order": order, "steps": steps, "kinds": kinds, "hint_rows": counts}
+    if extend:
+        out["extend_kinds"] = extend_kinds
+    return out
 
 
 def main() -> None:
@@ -113,10 +151,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extend", action="store_true",
+                    help="prefill new requests in steps of their own first (SGLang)")  # fmt: skip
     args = ap.parse_args()
     if args.steps < 1 or args.requests < 1 or not 1 <= args.page_size <= 128:
         ap.error("--steps and --requests must be positive, --page-size in 1..128")
-    print(json.dumps(run(args.order, args.steps, args.requests, args.page_size, args.seed)))
+    out = run(args.order, args.steps, args.requests, args.page_size, args.seed, args.extend)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,33 @@ def test_plan_methods_follow_the_batches_seen() -> None:
     assert planner.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
 
 
+def test_prefill_batches_alone_do_not_teach_decode_steps() -> None:
+    """SGLang's extend batches hold new requests alone (here two private prompts, prefilled):
+    after a decode batch with sharing, the next decode step keeps that batch's verdict and
+    hint (hinted, every row kept) instead of the extend batch's (no sharing: unshared). A
+    batch of prefills still teaches before any decode batch has (an engine's first steps)."""
+    planner = _planner()
+    extend = Batch([[30, 31, 32], [40, 41, 42]], new_tokens=3)
+    assert kind(run_step(planner, extend)) == "copy"
+    assert planner.probe.sharing is False  # the first batch teaches
+    assert kind(run_step(planner, SHARED)) == "unshared"  # the verdict is a step old
+    assert planner.probe.sharing is True
+    # New requests, which no hint row describes; rows of near lengths may be taken for
+    # theirs (then the device check falls back): either way a hinted plan.
+    assert kind(run_step(planner, extend)).startswith("hinted")
+    assert planner.probe.sharing is True  # not taught by the extend batch
+    kept = planner.hint_rows["kept"]
+    plan = run_step(planner, SHARED)
+    assert kind(plan) == "hinted"
+    assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+    assert planner.hint_rows["kept"] - kept == 4  # the decode batch's own rows
+    # A batch with decoding requests and prefill chunks (vLLM's mixed steps) teaches.
+    mixed = Batch([[50, 51], [60, 61]], new_tokens=1)
+    mixed.qo_indptr = np.array([0, 1, 4], np.int32)
+    run_step(planner, mixed)
+    assert planner.probe.sharing is False
+
+
 def test_counts_of_fallbacks_and_hint_rows(monkeypatch, caplog) -> None:
     """With count_fallbacks the planner counts the hinted steps whose device check failed and
     logs its counts every COUNT_LOG_STEPS planned steps; without, it touches no device count."""

@@ -13,6 +13,10 @@ the planner decides how the step is planned and keeps the state that decision ne
   only decides how fast the step is planned.
 - **Padding.** Requests past ``num_real`` are the engine's padding (CUDA-graph batches): the
   probe and the hint look at the real requests only.
+- **Which batches teach.** The probe and the hint come from batches with decoding requests
+  (one new token) once there has been one: a batch of prefills alone (SGLang's extend
+  batches, new requests only) would otherwise have the next decode step planned from new
+  requests' rows and sharing (:meth:`StepPlanner.teaches`).
 - **Graph and eager objects.** Steps that may be replayed from a captured CUDA graph are
   planned by :attr:`StepPlanner.graph_attention`, whose buffers are reserved before capture
   (:meth:`StepPlanner.reserve_graphs`) and guarded by :attr:`StepPlanner.captured`; every
@@ -453,6 +457,8 @@ class StepPlanner:
         self._hint_run: tuple[tuple[int, bytes | None, bytes | None], np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
+        self._taught_by_decodes = False
+        """The probe's verdict and the hint come from a batch with decoding requests."""
 
     # ---------------------------------------------------------------- the pair
     @property
@@ -589,7 +595,9 @@ class StepPlanner:
         self.plan_kinds[choice.kind] += 1
         if self.options.count_fallbacks:
             self._count(plan)
-        if self._hint_is_current(seq_lens, rows, num_real, real_ids):
+        if not self.teaches(qo_indptr, num_real) or self._hint_is_current(
+            seq_lens, rows, num_real, real_ids
+        ):
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
             return plan
@@ -603,6 +611,26 @@ class StepPlanner:
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
         return plan
+
+    def teaches(self, qo_indptr: np.ndarray | None, num_real: int) -> bool:
+        """Does a step of these requests (``qo_indptr`` over them and any padding; None: one
+        token each) set the probe's verdict and the hint for later steps? Yes where one of
+        its real requests decodes (one new token), and where no batch with decoding requests
+        has taught them yet; not a batch of prefills alone after that. The decode batches
+        that follow such a batch hold the requests before it plus its new ones, whose rows
+        no hint knows either way (planned private), while its own rows and sharing say
+        nothing of the others: in SGLang, whose extend batches carry the new requests alone,
+        the next decode step was planned without sharing or with new requests' rows as its
+        hint."""
+        if qo_indptr is None:
+            decodes = num_real > 0
+        else:
+            new = np.diff(np.asarray(qo_indptr, dtype=np.int64)[: num_real + 1])
+            decodes = bool(np.any(new == 1))
+        if decodes:
+            self._taught_by_decodes = True
+            return True
+        return not self._taught_by_decodes
 
     def _aligned_hint(
         self,
@@ -711,7 +739,7 @@ class StepPlanner:
         ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
         recording its sharing and its rows (with their ``ids``, as in :meth:`plan_device`)
         as a later step's hint."""
-        if num_real > 0:
+        if num_real > 0 and self.teaches(qo_indptr, num_real):
             self.probe.observe(table[:num_real, 0])
             if self.options.hinted_plans:
                 real_ids = None if ids is None else np.asarray(ids)[:num_real]
