@@ -503,3 +503,23 @@ def test_sglang_bound_backend(tmp_path) -> None:
     # The scheduler is a spawned process: it must find the backend through load_plugins().
     env = noattn.plugin_env(tmp_path / "plugin")
     assert sglang_plugin_registers(env, tmp_path, "noattn") == "registered (True, True)"
+
+
+def test_backends_whose_kernels_do_not_import_are_skipped(tmp_path) -> None:
+    """A real import in a fresh interpreter: SGLang's fa3 needs sgl_kernel.flash_ops, which a
+    test environment without it cannot import; the backend is skipped with that error before
+    any engine starts. Backends without a preflight import are never skipped."""
+    from tools.serving import bench
+
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # nothing of any engine on the path
+    reason = bench.unavailable("sglang", "fa3", env)
+    assert reason is not None and "sgl_kernel" in reason
+    assert bench.unavailable("sglang", "triton", env) is None
+    assert bench.unavailable("vllm", "prefixattn+split_waves", env) is None
+    (tmp_path / "flashinfer.py").write_text("")  # an importable stand-in module
+    assert bench.unavailable("sglang", "flashinfer", env) is None
+    args = bench.parse_args(["--engine", "sglang", "--backends", "fa3", "--out",
+                             str(tmp_path / "r.json")])  # fmt: skip
+    if bench.unavailable("sglang", "fa3") is not None:  # this environment has no FA3
+        data = bench.run_backend(args, "fa3", "MODEL", 5.0)
+        assert data["finished"] is False and "skipped" in data

@@ -21,6 +21,9 @@ Each backend runs in its own process group (``tools/proc_group.py``) with a shar
 ``--budget`` seconds, the bound first; a worker writes its results after every timed run, so a
 timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
 ``[k runs]`` in the table), and a backend that fails to start is recorded with its log's tail.
+A built-in backend whose kernels do not import in the engine's environment (``PREFLIGHT``:
+SGLang's ``fa3`` needs ``sgl_kernel.flash_ops``) is skipped with the import's error before
+its engine starts, and its share of the budget goes to the others.
 vLLM's offline engines run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in the
 worker, where the bound is registered); online, ``AsyncLLM`` forks its engine core
 (``VLLM_WORKER_MULTIPROC_METHOD=fork``). Both settings apply to every vLLM backend alike.
@@ -72,6 +75,13 @@ BACKENDS = {
 }
 BOUND = "bound"
 METRIC = "output_tok_s"
+PREFLIGHT = {
+    ("sglang", "fa3"): "from sgl_kernel import flash_ops",
+    ("sglang", "flashinfer"): "import flashinfer",
+    ("vllm", "FLASHINFER"): "import flashinfer",
+}
+"""An import each of these backends needs, tried in a fresh interpreter before its engine
+starts (SGLang reports a missing FA3 only after loading the model)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -298,7 +308,31 @@ def collect(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[s
     return result
 
 
+def unavailable(engine: str, backend: str, env: dict[str, str] | None = None) -> str | None:
+    """Why ``backend`` cannot run in ``engine``'s environment (``env``, default this
+    process's): the last line of its :data:`PREFLIGHT` import's error; None where the import
+    works or the backend has none."""
+    statement = PREFLIGHT.get((engine, backend.split("+")[0]))
+    if statement is None:
+        return None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", statement], capture_output=True, text=True, timeout=120,
+            env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{statement!r} did not finish in 120 s"
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return f"{statement!r} failed: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
 def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: float) -> dict:
+    missing = unavailable(args.engine, backend)
+    if missing is not None:
+        print(f"{backend}: skipped, {missing}", flush=True)
+        return {"finished": False, "skipped": missing, "error": f"skipped: {missing}"}
     scratch = Path(tempfile.mkdtemp(prefix=f"serving-{backend}-"))
     out_dir = args.out.parent
     result = scratch / "result.json"
