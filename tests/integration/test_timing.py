@@ -26,3 +26,15 @@ def test_paired_median_and_spread(timing) -> None:
 def test_bad_input(timing, t1, t2, n1, n2) -> None:
     with pytest.raises(ValueError):
         timing.paired_step_ms(t1, t2, n1, n2)
+
+
+def test_inter_token_from_engine_timestamps(timing) -> None:
+    from types import SimpleNamespace as NS
+
+    def out(first: float, last: float, n: int) -> NS:
+        return NS(metrics=NS(first_token_ts=first, last_token_ts=last, num_generation_tokens=n))
+
+    assert timing.inter_token_ms([out(10.0, 10.4, 5), out(10.0, 10.3, 3)]) == 125.0
+    # One token, no timestamps (stats off) or no metrics: nothing to time.
+    assert timing.inter_token_ms([out(10.0, 10.0, 1), NS(metrics=None), NS()]) is None
+    assert timing.inter_token_ms([out(0.0, 0.0, 9), out(2.0, 2.8, 9)]) == 100.0

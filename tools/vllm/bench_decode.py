@@ -28,6 +28,10 @@ greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), timed alt
 ``--reps`` (5) times, prefill only the last tokens of each prompt, the same in both; step =
 the median over pairs of (t(N2) - t(N1)) / (N2 - N1), with the pairs' min and max in
 ``step_spread_ms`` (``tools/timing.py``). All B requests decode together in every step.
+Each N2 generation also gives the step from the engine's own per-request timestamps (first
+to last output token; ``tools.timing.inter_token_ms``, the engine logs stats for them):
+``itl_ms``, the median over the repetitions with their min and max, free of the
+generations' admission and prefill.
 
 Each backend runs in its own subprocess (vLLM engines do not reliably free GPU memory inside
 one process), with vLLM's default compilation and CUDA graph mode (``FULL_AND_PIECEWISE``);
@@ -49,6 +53,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +62,7 @@ from typing import Any
 
 from tools import RESULTS, installed_version, write_atomic
 from tools.proc_group import run_in_group
-from tools.timing import paired_step_ms
+from tools.timing import inter_token_ms, paired_step_ms
 from tools.trace_summary import summarize_traces
 from tools.variants import check_variants, parse_variant
 
@@ -160,18 +165,25 @@ def run_worker(args: argparse.Namespace) -> None:
         attention_backend=backend, gpu_memory_utilization=args.gpu_mem,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
         enable_prefix_caching=True, seed=0, compilation_config=compilation or None,
-        profiler_config=profiler, **(extra if changes else {}),
+        profiler_config=profiler, disable_log_stats=False, **(extra if changes else {}),
     )  # fmt: skip
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "step_ms": {}}
     out["info"] = llm.collective_rpc(worker_info)[0]
     write_atomic(Path(args.result), out)
     print(args.worker, json.dumps(out), flush=True)
 
+    itls: list[float] = []
+
     def timed(prompts: list[Any], n: int) -> float:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t
+        outputs = llm.generate(prompts, sp, use_tqdm=False)
+        took = time.perf_counter() - t
+        if n == args.n2:
+            itl = inter_token_ms(outputs)
+            if itl is not None:
+                itls.append(itl)
+        return took
 
     for batch in args.batches:
         for kind in args.workloads:
@@ -179,6 +191,7 @@ def run_worker(args: argparse.Namespace) -> None:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
             warm = timed(prompts, 1)  # prefill once: prompts stored in the prefix cache
             t1s, t2s = [], []
+            itls.clear()
             for _ in range(args.reps):  # alternating, so that a drift spreads over both
                 t1s.append(timed(prompts, args.n1))
                 t2s.append(timed(prompts, args.n2))
@@ -186,13 +199,20 @@ def run_worker(args: argparse.Namespace) -> None:
             step_ms = step["median"]
             out["step_ms"].setdefault(kind, {})[str(batch)] = step_ms
             out.setdefault("step_spread_ms", {})[f"{kind}/{batch}"] = step
+            if itls:
+                out.setdefault("itl_ms", {})[f"{kind}/{batch}"] = {
+                    "median": round(statistics.median(itls), 3), "min": min(itls),
+                    "max": max(itls),
+                }  # fmt: skip
             out.setdefault("raw_s", {})[f"{kind}/{batch}"] = {
                 "warm": round(warm, 4), "n1": [round(x, 4) for x in t1s],
                 "n2": [round(x, 4) for x in t2s],
             }  # fmt: skip
+            itl = out.get("itl_ms", {}).get(f"{kind}/{batch}")
             print(
                 f"{args.worker} {kind} B={batch}: decode step {step_ms:.2f} ms "
-                f"(pairs {step['min']:.2f}-{step['max']:.2f})",
+                f"(pairs {step['min']:.2f}-{step['max']:.2f})"
+                + (f"; between tokens {itl['median']:.2f} ms" if itl else ""),
                 flush=True,
             )
             write_atomic(Path(args.result), out)
