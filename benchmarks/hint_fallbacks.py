@@ -84,7 +84,10 @@ def _step(
     qo_indptr: np.ndarray | None,
     extra: dict[str, Any],
 ) -> str:
-    """Plan one step of ``rows`` (decode when ``qo_indptr`` is None); its plan kind."""
+    """Plan one step of ``rows`` (decode when ``qo_indptr`` is None, else the new requests'
+    prefills alone, as SGLang's extend batches); its plan kind."""
+    if qo_indptr is not None:
+        extra = {**extra, "prefill_only": True}
     table, lens = _table(rows, page_size)
     choice = planner.choose(len(rows), decode=qo_indptr is None)
     attention = planner.attention_for(graph=False)

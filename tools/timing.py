@@ -46,7 +46,8 @@ def inter_token_ms(outputs: Iterable[Any]) -> float | None:
     for out in outputs:
         m = getattr(out, "metrics", None)
         n = getattr(m, "num_generation_tokens", 0) or 0
-        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        first = getattr(m, "first_token_ts", None) or 0.0
+        last = getattr(m, "last_token_ts", None) or 0.0
         if n >= 2 and last > first > 0:
             steps.append((last - first) / (n - 1) * 1e3)
     return round(statistics.median(steps), 3) if steps else None

@@ -13,6 +13,7 @@ from .attention import (
     PrefixAttention,
     decode_reservation,
     decode_slots_per_token,
+    leaf_split_spare,
 )
 from .engine.sharing import SharingProbe, TableHint, shares_pages
 from .options import LaunchOptions, PlanOptions
@@ -36,6 +37,7 @@ __all__ = [
     "build_forest",
     "decode_reservation",
     "decode_slots_per_token",
+    "leaf_split_spare",
     "parse_tree",
     "run_plan_reference",
     "shares_pages",

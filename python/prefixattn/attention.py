@@ -29,7 +29,7 @@ from .plan.device_table import (
     position_runs,
     table_positions,
 )
-from .plan.layout import NUM_VARIANTS, variant_mask
+from .plan.layout import LEAF_PAIRS_PER_SM, NUM_VARIANTS, VARIANT_ROWS, variant_mask
 from .plan.packing import MIN_SPLIT_TOKENS, PACKINGS, BatchShape
 from .plan.planner import HostPlan, build_host_plan
 from .plan.tiles import SUPPORTED_HEAD_DIMS, TileTable, tile_table
@@ -74,13 +74,25 @@ def decode_slots_per_token(
     ``min_split_tokens`` (``PlanOptions.min_split_tokens``), so a token joins at most
     ``min(ceil(L / min_split_tokens), 2 * B)`` extra parts (B requests make at most 2B - 1
     forest nodes). Plans of leaf chunks alone (small decode batches) are cut at
-    ``PlanOptions.leaf_split_tokens`` instead, but by the split rule's balance into at most
-    ``2 x 8 x split_target / num_kv_heads`` parts beyond one per chunk in all: for small
-    batches that fits the spare slots of :func:`decode_reservation`; a plan that does not
-    fit raises where captured graphs would read moved buffers.
+    ``PlanOptions.leaf_split_tokens`` instead; their extra parts are bounded in all, not per
+    token (:func:`leaf_split_spare`).
     """
     parts = min(2 * max_requests, -(-max_context_len // min_split_tokens)) + 1
     return depth_allowance + parts
+
+
+def leaf_split_spare(num_qo_heads: int, num_kv_heads: int, split_target: int) -> int:
+    """(work item, token) slots that a plan of leaf chunks alone (every row chunk of at most
+    16 query rows) may take beyond one per chunk, at any split floor: the split rule's
+    balance cuts such chunks into at most ``2 x 8 x split_target / num_kv_heads`` parts
+    beyond one per chunk in all (8 leaf pairs per SM, ``LEAF_PAIRS_PER_SM``), each with at
+    most ``16 / group`` tokens.
+
+    Worked example: 32/8 heads (group 4), 132 SMs -> 264 parts x 4 tokens = 1056 slots.
+    """
+    group = num_qo_heads // num_kv_heads
+    parts = -(-2 * LEAF_PAIRS_PER_SM * split_target // num_kv_heads)
+    return parts * max(1, VARIANT_ROWS[0] // group)
 
 
 def decode_reservation(
@@ -89,18 +101,21 @@ def decode_reservation(
     max_context_len: int,
     page_size: int,
     slots_per_token: int | None = None,
+    spare_slots: int = 1024,
 ) -> dict[str, int]:
     """Sizes for :meth:`PrefixAttention.reserve` that no decode batch of up to
     ``max_requests`` requests and ``max_tokens`` query tokens, each with KV length at most
     ``max_context_len``, outgrows (CUDA-graph capture).
 
-    ``slots_per_token`` defaults to :func:`decode_slots_per_token`. Every item holds at least
-    one (item, token) slot; the page ids of all items add up to at most one read per request
-    of its own pages (the query-centric total) plus one partial page per item.
+    ``slots_per_token`` defaults to :func:`decode_slots_per_token`; ``spare_slots`` are
+    added (at least :func:`leaf_split_spare` of the attention's shape and split target, for
+    plans of small batches cut at the leaf floor). Every item holds at least one (item,
+    token) slot; the page ids of all items add up to at most one read per request of its
+    own pages (the query-centric total) plus one partial page per item.
     """
     if slots_per_token is None:
         slots_per_token = decode_slots_per_token(max_context_len, max_requests)
-    slots = max_tokens * slots_per_token + 1024
+    slots = max_tokens * slots_per_token + spare_slots
     pages_per_request = -(-max_context_len // page_size) + 1
     return {
         "num_work_items": slots,
@@ -800,7 +815,7 @@ class PrefixAttention:
         default."""
         options = self.plan_options
         if options.split_target is None:
-            options.split_target = _sm_count(self.device)
+            options.split_target = sm_count(self.device)
         hp = None
         if page_table is not None:
             assert row_of is not None
@@ -811,7 +826,7 @@ class PrefixAttention:
             native = options.native_plan and library.native_plan_available()
             hp = build_host_plan(
                 table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
-                split_target=options.split_target, sm_count=_sm_count(self.device),
+                split_target=options.split_target, sm_count=sm_count(self.device),
                 native=native, finish_in_leaf=options.finish_in_leaf,
                 one_launch_in_one_wave=options.one_launch_in_one_wave,
                 pack_heads=options.pack_heads, max_bytes=options.max_plan_bytes,
@@ -1049,7 +1064,7 @@ class CapturedBuffers:
         )
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """SMs of ``device`` (``DEFAULT_SPLIT_TARGET`` for a CPU device)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)

@@ -35,9 +35,10 @@ from test_sglang_backend import (  # the autouse single-rank fixture comes along
     check_against_reference,
 )
 
-from prefixattn import PrefixAttention
+from prefixattn import PrefixAttention, leaf_split_spare
 from prefixattn.adapters.sglang import backend as sglang_backend
 from prefixattn.adapters.sglang.backend import PrefixAttnBackend, graph_reservation
+from prefixattn.engine import step
 from prefixattn.runtime import library
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
@@ -242,6 +243,7 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     monkeypatch.setattr(sglang_backend, "core_supports_cuda_graphs", lambda: True)
     monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: calls.append((self, kw)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA core, no GPU used
+    monkeypatch.setattr(step, "sm_count", lambda device: 132)  # the faked GPU's SMs
     runner = _runner(16, HEADS, KV_HEADS, HEAD_DIM, max_reqs=4)
     backend = PrefixAttnBackend(runner)
     backend.device = torch.device("cuda")
@@ -251,7 +253,9 @@ def test_init_cuda_graph_state_reserves_on_cuda(monkeypatch):
     assert core is backend.graph_core
     # The fallback of hinted plans is reserved (and launched by the graphs) when they are on.
     assert sizes.pop("hinted") is backend.planner.options.hinted_plans
-    assert sizes == graph_reservation(48, 48, MAX_CONTEXT, 16) == backend.graph_reserved
+    spare = backend.planner.spare_slots()
+    assert spare >= 1024
+    assert sizes == graph_reservation(48, 48, MAX_CONTEXT, 16, spare) == backend.graph_reserved
     assert backend.graph_buffers.captured_generation == backend.graph_core.buffers_generation
 
 
@@ -343,7 +347,8 @@ def test_reservation_covers_decode_plans_up_to_max_bs(
     sharing, padding rows) at the largest captured batch size and the longest context. At
     64 requests the split parts are bounded by the context (ctx / 256), at 16 by the node
     count (2 * 16)."""
-    bounds = graph_reservation(max_bs, max_bs, ctx, page_size)
+    spare = max(1024, leaf_split_spare(heads, kv_heads, 132))
+    bounds = graph_reservation(max_bs, max_bs, ctx, page_size, spare)
     core = PrefixAttention(heads, kv_heads, head_dim, page_size, dtype=torch.bfloat16)
     kinds = ["long_root", "shared1", "three_levels", "binary", "chain", "random", "padded"]
     for kind in [*kinds, "none"]:

@@ -395,7 +395,10 @@ def test_reservation_for_largest_captured_batch(
     # 16 prefix levels + split parts of at least 256 tokens (16 of them, +1), unless overridden.
     factor = slots_per_token or 16 + min(2 * t, -(-max_len // 256)) + 1
     assert builder.slots_per_token == factor
-    slots = factor * t + 1024
+    # Spare slots for small batches cut at the leaf floor (StepPlanner.spare_slots).
+    spare = builder.planner.spare_slots()
+    assert spare >= 1024
+    slots = factor * t + spare
     assert calls == [
         {
             "num_work_items": slots,
@@ -416,7 +419,7 @@ def test_reservation_holds_deep_and_long_decode_batches(
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l0"], cfg, torch.device("cpu"))
     t, bs = builder.max_graph_tokens, 16
     assert t == cfg.scheduler_config.max_num_seqs
-    slots = builder.slots_per_token * t + 1024
+    slots = builder.slots_per_token * t + builder.planner.spare_slots()
     pages = t * (cfg.model_config.max_model_len // bs + 1) + slots
     long_prefix = list(range(1, 4000 // bs + 1))  # ~4K tokens shared by all
     levels = [list(range(1000 + 100 * d, 1000 + 100 * d + 15)) for d in range(GRAPH_DEPTH)]

@@ -109,27 +109,57 @@ def test_prefill_batches_alone_do_not_teach_decode_steps() -> None:
     """SGLang's extend batches hold new requests alone (here two private prompts, prefilled):
     after a decode batch with sharing, the next decode step keeps that batch's verdict and
     hint (hinted, every row kept) instead of the extend batch's (no sharing: unshared). A
-    batch of prefills still teaches before any decode batch has (an engine's first steps)."""
+    batch of prefills still teaches before any batch of running requests has (an engine's
+    first steps)."""
     planner = _planner()
     extend = Batch([[30, 31, 32], [40, 41, 42]], new_tokens=3)
-    assert kind(run_step(planner, extend)) == "copy"
+
+    def prefill(batch: Batch) -> LaunchPlan:
+        choice = planner.choose(batch.num_real, decode=False)
+        attention = planner.attention_for(graph=False)
+        if choice.device_table:
+            return planner.plan_device(
+                attention, choice, torch.from_numpy(batch.table), batch.seq_lens,
+                batch.qo_indptr, num_real=batch.num_real, prefill_only=True,
+            )  # fmt: skip
+        return planner.plan_host(
+            attention, batch.table, batch.seq_lens, batch.qo_indptr, num_real=batch.num_real,
+            prefill_only=True,
+        )  # fmt: skip
+
+    assert kind(prefill(extend)) == "copy"
     assert planner.probe.sharing is False  # the first batch teaches
     assert kind(run_step(planner, SHARED)) == "unshared"  # the verdict is a step old
     assert planner.probe.sharing is True
     # New requests, which no hint row describes; rows of near lengths may be taken for
     # theirs (then the device check falls back): either way a hinted plan.
-    assert kind(run_step(planner, extend)).startswith("hinted")
+    assert kind(prefill(extend)).startswith("hinted")
     assert planner.probe.sharing is True  # not taught by the extend batch
     kept = planner.hint_rows["kept"]
     plan = run_step(planner, SHARED)
     assert kind(plan) == "hinted"
     assert plan.distinct_kv_bytes < plan.query_centric_kv_bytes
     assert planner.hint_rows["kept"] - kept == 4  # the decode batch's own rows
-    # A batch with decoding requests and prefill chunks (vLLM's mixed steps) teaches.
-    mixed = Batch([[50, 51], [60, 61]], new_tokens=1)
-    mixed.qo_indptr = np.array([0, 1, 4], np.int32)
-    run_step(planner, mixed)
+
+
+def test_steps_of_several_tokens_keep_teaching() -> None:
+    """Speculative decoding: after a step of one token each, steps of several tokens per
+    running request (not prefills of new requests) still set the verdict and the hint."""
+    planner = _planner()
+    run_step(planner, PRIVATE)
     assert planner.probe.sharing is False
+    spec = Batch([[1, 2, 10], [1, 2, 11], [1, 3, 12], [4, 13]], new_tokens=3)
+    assert kind(run_step(planner, spec)) == "unshared"
+    assert planner.probe.sharing is True
+    assert kind(run_step(planner, spec)) == "hinted"
+
+
+def test_capture_batches_do_not_teach() -> None:
+    """A CUDA-graph capture batch (made-up rows) sets neither the verdict nor the hint."""
+    planner = _planner()
+    planner.reserve_graphs(8, 8, 64)
+    run_step(planner, SHARED, capture=True, graph=True, device_table=False)
+    assert planner.probe.sharing is None and planner.table_hint.take() is None
 
 
 def test_counts_of_fallbacks_and_hint_rows(monkeypatch, caplog) -> None:
@@ -299,10 +329,13 @@ def test_graph_and_eager_objects(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_graph_slots_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PrefixAttention, "reserve", lambda self, **kw: None)
-    default = _planner().reserve_graphs(8, 8, 4096)
-    assert default["num_slots"] == 8 * step.decode_slots_per_token(4096, 8) + 1024
+    planner = _planner()
+    default = planner.reserve_graphs(8, 8, 4096)
+    # 4/2 heads (group 2), 132 SMs: leaf chunks of up to 8 tokens, 1056 parts beyond one each.
+    assert planner.spare_slots() == 1056 * 8
+    assert default["num_slots"] == 8 * step.decode_slots_per_token(4096, 8) + 1056 * 8
     small = _planner(graph_slots_per_token=3).reserve_graphs(8, 8, 4096)
-    assert small["num_slots"] == 8 * 3 + 1024
+    assert small["num_slots"] == 8 * 3 + 1056 * 8
 
 
 def test_moved_graph_buffers_raise(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,6 +388,40 @@ def test_graph_slots_follow_the_split_floor() -> None:
     default = _planner().slots_per_token(8192, 256)
     low = _planner(core_options={"min_split_tokens": 64}).slots_per_token(8192, 256)
     assert low - default == 8192 // 64 - 8192 // 256
+
+
+@pytest.mark.parametrize(
+    ("heads", "max_bs", "ctx", "waves"),
+    [((8, 1), 1, 131072, True), ((8, 1), 4, 32768, False), ((8, 1), 2, 65536, False),
+     ((16, 2), 1, 131072, False), ((32, 8), 1, 131072, True), ((32, 8), 4, 131072, False)],
+)  # fmt: skip
+def test_graph_reservation_covers_small_batches_at_the_leaf_floor(
+    heads: tuple[int, int], max_bs: int, ctx: int, waves: bool
+) -> None:
+    """Decode batches of up to ``max_bs`` long private requests plan leaf chunks alone, cut at
+    the leaf floor (64 tokens) into as many parts as the balance allows: up to 2112 at one
+    KV head. The graphs' reservation (StepPlanner.reserve_graphs) must hold every such plan,
+    or a graph step would raise."""
+    hq, hkv = heads
+
+    def attention() -> PrefixAttention:
+        pa = PrefixAttention(hq, hkv, 128, 16, device="cpu", dtype=torch.bfloat16)
+        pa.split_waves = waves
+        return pa
+
+    planner = StepPlanner(attention, 16)
+    planner.graph_attention = attention()
+    sizes = step.decode_reservation(
+        max_bs, max_bs, ctx, 16, slots_per_token=planner.slots_per_token(ctx, max_bs),
+        spare_slots=planner.spare_slots(),
+    )  # fmt: skip
+    for bs in range(1, max_bs + 1):
+        pages = -(-ctx // 16)
+        table = np.arange(bs * pages, dtype=np.int32).reshape(bs, pages)
+        plan = planner.graph_attention.plan(table, np.full(bs, ctx, np.int32))
+        assert plan.num_work_items <= sizes["num_work_items"], (bs, plan.num_work_items)
+        assert len(plan.host.q_tokens) <= sizes["num_slots"]
+        assert len(plan.host.kv_pages) <= sizes["num_pages"]
 
 
 def test_core_options_are_checked_and_copied() -> None:

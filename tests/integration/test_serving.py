@@ -505,21 +505,28 @@ def test_sglang_bound_backend(tmp_path) -> None:
     assert sglang_plugin_registers(env, tmp_path, "noattn") == "registered (True, True)"
 
 
-def test_backends_whose_kernels_do_not_import_are_skipped(tmp_path) -> None:
-    """A real import in a fresh interpreter: SGLang's fa3 needs sgl_kernel.flash_ops, which a
-    test environment without it cannot import; the backend is skipped with that error before
-    any engine starts. Backends without a preflight import are never skipped."""
+def test_backends_whose_kernels_do_not_import_are_skipped(tmp_path, monkeypatch) -> None:
+    """A real import in a fresh interpreter: SGLang's fa3 imports sgl_kernel.flash_attn; a
+    package of that name on PYTHONPATH (ahead of any installed one) that cannot give it makes
+    the backend skipped with the import's error, before any engine starts. Backends without
+    a preflight import are never skipped."""
     from tools.serving import bench
 
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # nothing of any engine on the path
-    reason = bench.unavailable("sglang", "fa3", env)
-    assert reason is not None and "sgl_kernel" in reason
-    assert bench.unavailable("sglang", "triton", env) is None
-    assert bench.unavailable("vllm", "prefixattn+split_waves", env) is None
-    (tmp_path / "flashinfer.py").write_text("")  # an importable stand-in module
-    assert bench.unavailable("sglang", "flashinfer", env) is None
+    pkg = tmp_path / "sgl_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "flash_attn.py").write_text("raise ImportError('no FA3 in this build')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    reason = bench.unavailable("sglang", "fa3")
+    assert reason is not None and "no FA3 in this build" in reason
+    assert bench.unavailable("sglang", "triton") is None
+    assert bench.unavailable("vllm", "prefixattn+split_waves") is None
+    (tmp_path / "flashinfer.py").write_text("")  # an importable module of that name
+    assert bench.unavailable("sglang", "flashinfer") is None
+    (pkg / "flash_attn.py").write_text("def flash_attn_with_kvcache(): pass\n")
+    assert bench.unavailable("sglang", "fa3") is None
+    (pkg / "flash_attn.py").write_text("raise ImportError('no FA3 in this build')\n")
     args = bench.parse_args(["--engine", "sglang", "--backends", "fa3", "--out",
                              str(tmp_path / "r.json")])  # fmt: skip
-    if bench.unavailable("sglang", "fa3") is not None:  # this environment has no FA3
-        data = bench.run_backend(args, "fa3", "MODEL", 5.0)
-        assert data["finished"] is False and "skipped" in data
+    data = bench.run_backend(args, "fa3", "MODEL", 5.0)
+    assert data["finished"] is False and "no FA3 in this build" in data["skipped"]

@@ -22,7 +22,7 @@ Each backend runs in its own process group (``tools/proc_group.py``) with a shar
 timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
 ``[k runs]`` in the table), and a backend that fails to start is recorded with its log's tail.
 A built-in backend whose kernels do not import in the engine's environment (``PREFLIGHT``:
-SGLang's ``fa3`` needs ``sgl_kernel.flash_ops``) is skipped with the import's error before
+SGLang's ``fa3`` imports ``sgl_kernel.flash_attn``) is skipped with the import's error before
 its engine starts, and its share of the budget goes to the others.
 vLLM's offline engines run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in the
 worker, where the bound is registered); online, ``AsyncLLM`` forks its engine core
@@ -76,7 +76,7 @@ BACKENDS = {
 BOUND = "bound"
 METRIC = "output_tok_s"
 PREFLIGHT = {
-    ("sglang", "fa3"): "from sgl_kernel import flash_ops",
+    ("sglang", "fa3"): "from sgl_kernel.flash_attn import flash_attn_with_kvcache",
     ("sglang", "flashinfer"): "import flashinfer",
     ("vllm", "FLASHINFER"): "import flashinfer",
 }

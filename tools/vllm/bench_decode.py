@@ -29,7 +29,8 @@ greedy generations with ``max_tokens=N1`` and ``N2`` (``ignore_eos``), timed alt
 the median over pairs of (t(N2) - t(N1)) / (N2 - N1), with the pairs' min and max in
 ``step_spread_ms`` (``tools/timing.py``). All B requests decode together in every step.
 Each N2 generation also gives the step from the engine's own per-request timestamps (first
-to last output token; ``tools.timing.inter_token_ms``, the engine logs stats for them):
+to last output token; ``tools.timing.inter_token_ms``; every backend's engine logs stats
+for them, alike):
 ``itl_ms``, the median over the repetitions with their min and max, free of the
 generations' admission and prefill.
 
@@ -201,8 +202,8 @@ def run_worker(args: argparse.Namespace) -> None:
             out.setdefault("step_spread_ms", {})[f"{kind}/{batch}"] = step
             if itls:
                 out.setdefault("itl_ms", {})[f"{kind}/{batch}"] = {
-                    "median": round(statistics.median(itls), 3), "min": min(itls),
-                    "max": max(itls),
+                    "median": round(statistics.median(itls), 3), "min": round(min(itls), 3),
+                    "max": round(max(itls), 3),
                 }  # fmt: skip
             out.setdefault("raw_s", {})[f"{kind}/{batch}"] = {
                 "warm": round(warm, 4), "n1": [round(x, 4) for x in t1s],

@@ -13,10 +13,10 @@ the planner decides how the step is planned and keeps the state that decision ne
   only decides how fast the step is planned.
 - **Padding.** Requests past ``num_real`` are the engine's padding (CUDA-graph batches): the
   probe and the hint look at the real requests only.
-- **Which batches teach.** The probe and the hint come from batches with decoding requests
-  (one new token) once there has been one: a batch of prefills alone (SGLang's extend
-  batches, new requests only) would otherwise have the next decode step planned from new
-  requests' rows and sharing (:meth:`StepPlanner.teaches`).
+- **Which batches teach.** Not CUDA-graph capture batches, and not batches of new
+  requests' prefills alone (SGLang's extend batches) once a batch of running requests has
+  taught: they would have the next decode step planned from new requests' rows and sharing
+  (:meth:`StepPlanner.teaches`).
 - **Graph and eager objects.** Steps that may be replayed from a captured CUDA graph are
   planned by :attr:`StepPlanner.graph_attention`, whose buffers are reserved before capture
   (:meth:`StepPlanner.reserve_graphs`) and guarded by :attr:`StepPlanner.captured`; every
@@ -42,7 +42,14 @@ import numpy.typing as npt
 import torch
 from torch.profiler import record_function
 
-from ..attention import CapturedBuffers, PrefixAttention, decode_reservation, decode_slots_per_token
+from ..attention import (
+    CapturedBuffers,
+    PrefixAttention,
+    decode_reservation,
+    decode_slots_per_token,
+    leaf_split_spare,
+    sm_count,
+)
 from ..options import (
     DEFAULT_MIN_SPLIT_TOKENS,
     LAUNCH_OPTIONS,
@@ -457,8 +464,9 @@ class StepPlanner:
         self._hint_run: tuple[tuple[int, bytes | None, bytes | None], np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
-        self._taught_by_decodes = False
-        """The probe's verdict and the hint come from a batch with decoding requests."""
+        self._taught_by_running = False
+        """The probe's verdict and the hint come from a batch that was not only prefills
+        (:meth:`teaches`)."""
 
     # ---------------------------------------------------------------- the pair
     @property
@@ -496,6 +504,16 @@ class StepPlanner:
             max_context_len, max_requests, min_split_tokens=int(split_floor)
         )
 
+    def spare_slots(self) -> int:
+        """Slots reserved beyond the per-token ones: at least 1024, and what plans of small
+        decode batches cut at the leaf floor may take (:func:`~prefixattn.leaf_split_spare`
+        for :attr:`graph_attention`'s heads and split target, its SM count by default)."""
+        core = self.graph_attention if self.graph_attention is not None else self.eager_attention
+        target = core.split_target
+        if target is None:
+            target = sm_count(core.device)
+        return max(1024, leaf_split_spare(core.num_qo_heads, core.num_kv_heads, target))
+
     def reserve_graphs(
         self, max_requests: int, max_tokens: int, max_context_len: int
     ) -> dict[str, int]:
@@ -511,6 +529,7 @@ class StepPlanner:
             max_context_len,
             self.page_size,
             slots_per_token=self.slots_per_token(max_context_len, max_requests),
+            spare_slots=self.spare_slots(),
         )
         self.graph_attention.reserve(**sizes, hinted=self.options.hinted_plans)
         return sizes
@@ -564,6 +583,7 @@ class StepPlanner:
         private: np.ndarray | None = None,
         columns: int | None = None,
         ids: npt.ArrayLike | None = None,
+        prefill_only: bool = False,
     ) -> LaunchPlan:
         """Plan a step chosen ``"unshared"`` or ``"hinted"`` from the device ``table`` (int32,
         rows ``:num_real`` the real requests', later rows the engine's padding rows if any),
@@ -578,7 +598,8 @@ class StepPlanner:
         are dropped (they describe another batch's requests, not this step's padding rows).
         ``ids``: the real requests' ids where the engine has them on the host (stable while
         a request runs, e.g. vLLM's request-state index): hints then follow requests by id
-        (:func:`continued_rows`), else by lengths.
+        (:func:`continued_rows`), else by lengths. ``prefill_only``: the batch holds new
+        requests' prefills alone (SGLang's extend batches; :meth:`teaches`).
         """
         real_ids = None if ids is None else np.asarray(ids)[:num_real]
         with record_function("prefixattn.plan"):
@@ -595,7 +616,7 @@ class StepPlanner:
         self.plan_kinds[choice.kind] += 1
         if self.options.count_fallbacks:
             self._count(plan)
-        if not self.teaches(qo_indptr, num_real) or self._hint_is_current(
+        if not self.teaches(prefill_only=prefill_only) or self._hint_is_current(
             seq_lens, rows, num_real, real_ids
         ):
             # A decode run of the batch already looked at: its first pages (the probe's
@@ -612,25 +633,21 @@ class StepPlanner:
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
         return plan
 
-    def teaches(self, qo_indptr: np.ndarray | None, num_real: int) -> bool:
-        """Does a step of these requests (``qo_indptr`` over them and any padding; None: one
-        token each) set the probe's verdict and the hint for later steps? Yes where one of
-        its real requests decodes (one new token), and where no batch with decoding requests
-        has taught them yet; not a batch of prefills alone after that. The decode batches
-        that follow such a batch hold the requests before it plus its new ones, whose rows
-        no hint knows either way (planned private), while its own rows and sharing say
-        nothing of the others: in SGLang, whose extend batches carry the new requests alone,
-        the next decode step was planned without sharing or with new requests' rows as its
-        hint."""
-        if qo_indptr is None:
-            decodes = num_real > 0
-        else:
-            new = np.diff(np.asarray(qo_indptr, dtype=np.int64)[: num_real + 1])
-            decodes = bool(np.any(new == 1))
-        if decodes:
-            self._taught_by_decodes = True
+    def teaches(self, *, prefill_only: bool = False, capture: bool = False) -> bool:
+        """Does a step set the probe's verdict and the hint for later steps? Not an engine's
+        CUDA-graph capture batch (made-up rows); not a batch of new requests' prefills alone
+        (``prefill_only``: SGLang's extend batches) once a batch of running requests has
+        taught them. A decode batch after such a batch holds the requests before it plus its
+        new ones, whose rows no hint knows either way (planned private), while its rows and
+        sharing say nothing of the others: the next decode step was planned without sharing
+        or from new requests' rows. Any other batch teaches (vLLM's, which mix prefill
+        chunks with running requests; speculative decoding's steps of several tokens)."""
+        if capture:
+            return False
+        if not prefill_only:
+            self._taught_by_running = True
             return True
-        return not self._taught_by_decodes
+        return not self._taught_by_running
 
     def _aligned_hint(
         self,
@@ -734,12 +751,13 @@ class StepPlanner:
         num_real: int,
         capture: bool = False,
         ids: npt.ArrayLike | None = None,
+        prefill_only: bool = False,
     ) -> LaunchPlan:
         """Plan a step chosen ``"copy"`` with :meth:`PrefixAttention.plan` from the host
         ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
         recording its sharing and its rows (with their ``ids``, as in :meth:`plan_device`)
-        as a later step's hint."""
-        if num_real > 0 and self.teaches(qo_indptr, num_real):
+        as a later step's hint where it teaches (:meth:`teaches`: not a capture batch)."""
+        if num_real > 0 and self.teaches(prefill_only=prefill_only, capture=capture):
             self.probe.observe(table[:num_real, 0])
             if self.options.hinted_plans:
                 real_ids = None if ids is None else np.asarray(ids)[:num_real]

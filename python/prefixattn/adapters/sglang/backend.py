@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
 from torch.profiler import record_function
 
@@ -98,13 +99,15 @@ GRAPH_REMEDY = (
 
 
 def graph_reservation(
-    max_bs: int, max_num_tokens: int, max_context_len: int, page_size: int
+    max_bs: int, max_num_tokens: int, max_context_len: int, page_size: int, spare_slots: int
 ) -> dict[str, int]:
     """Plan sizes reserved for decode graphs of up to ``max_bs`` requests (one new token
-    each, KV length at most ``max_context_len``): the core's :func:`decode_reservation`. A
-    deeper forest than it allows for is refused at plan time (see
-    :meth:`PrefixAttnBackend.init_forward_metadata_out_graph`)."""
-    return decode_reservation(max_bs, max_num_tokens, max_context_len, page_size)
+    each, KV length at most ``max_context_len``): the core's :func:`decode_reservation`
+    with ``spare_slots`` (``StepPlanner.spare_slots``). A deeper forest than it allows for
+    is refused at plan time (see :meth:`PrefixAttnBackend.init_forward_metadata_out_graph`)."""
+    return decode_reservation(
+        max_bs, max_num_tokens, max_context_len, page_size, spare_slots=spare_slots
+    )
 
 
 def _refuse_extras(layer: RadixAttention, kwargs: dict[str, Any]) -> None:
@@ -258,6 +261,9 @@ class PrefixAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         # Graph replays pad the batch at its end (rows of request 0): leave those out.
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        # Extend batches hold the new requests' prefills alone: they do not teach the
+        # planner the running requests' sharing (StepPlanner.teaches).
+        prefill_only = forward_batch.forward_mode == ForwardMode.EXTEND
         choice = self.planner.choose(
             real,
             decode=forward_batch.forward_mode.is_decode(),
@@ -269,15 +275,18 @@ class PrefixAttnBackend(AttentionBackend):
             # batch on the side.
             with record_function("prefixattn.plan"):
                 rows, seq_lens, qo_indptr = self._batch_tables(forward_batch, on_host=False)
-            plan = self.planner.plan_device(core, choice, rows, seq_lens, qo_indptr, num_real=real)
+            plan = self.planner.plan_device(
+                core, choice, rows, seq_lens, qo_indptr, num_real=real, prefill_only=prefill_only
+            )
         else:
             # Named ranges for profiles (tools' trace summary): the copy of the batch's rows
             # to the host waits for the work queued before it.
             with record_function("prefixattn.host_tables"):
                 block_table, seq_lens, qo_indptr = self._batch_tables(forward_batch)
             plan = self.planner.plan_host(
-                core, block_table, seq_lens, qo_indptr, num_real=real, capture=capture
-            )
+                core, block_table, seq_lens, qo_indptr, num_real=real, capture=capture,
+                prefill_only=prefill_only,
+            )  # fmt: skip
         return ForwardMetadata(plan, plan.num_tokens, core)
 
     def _batch_tables(
