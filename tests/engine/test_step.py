@@ -624,3 +624,8 @@ def test_hint_fallback_model() -> None:
         by_lens = module.run(order, 40, 64, 16, 0)
         assert by_lens["kinds"].get("hinted-fallback", 0) <= 2, by_lens
         assert by_lens["kinds"].get("hinted", 0) >= 37
+    # SGLang's extend batches (new requests alone) between the decode steps teach nothing:
+    # no decode step is planned unshared for them.
+    extend = module.run("sglang", 40, 64, 16, 0, True)
+    assert extend["extend_kinds"] and "unshared" not in extend["kinds"], extend
+    assert extend["kinds"].get("hinted", 0) >= 37
