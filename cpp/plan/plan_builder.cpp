@@ -713,7 +713,7 @@ void split_parts(const PlanParams& p, const TileTable& tiles, const Slots& slots
   const int64_t n_chunks = chunks.size();
   std::vector<int64_t> launch_len(tiles.num_heights(), 0);
   // The split floor: leaf_split_tokens where every chunk takes the leaf kernel (one warp per
-  // pair), else min_split_tokens (packing.split_floor).
+  // pair), else min_split_tokens (packing.pack, the same rule).
   bool leaf_only = n_chunks > 0;
   if (p.split_kv && p.split_target > 0) {
     for (int64_t c = 0; c < n_chunks; ++c) {

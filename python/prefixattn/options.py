@@ -133,8 +133,8 @@ class PlanOptions(_Checked):
         "finish_in_leaf": _check_bool,
         "one_launch_in_one_wave": _check_bool,
         "split_waves": _check_bool,
-        "min_split_tokens": lambda o, n, v: _check_positive(o, n, v),
-        "leaf_split_tokens": lambda o, n, v: _check_positive(o, n, v),
+        "min_split_tokens": _check_positive,
+        "leaf_split_tokens": _check_positive,
         "max_plan_bytes": lambda o, n, v: _check_count(o, n, v, optional=True, top=_INT64_MAX),
     }
 

@@ -346,6 +346,16 @@ def _exact_pass(
     return d
 
 
+def graph_slots_per_token(options: StepOptions, max_context_len: int, max_requests: int) -> int:
+    """(work item, token) slots reserved per token of a graph batch: ``options``'
+    ``graph_slots_per_token``, else the core's :func:`~prefixattn.decode_slots_per_token` at
+    the split floor its ``core_options`` give."""
+    if options.graph_slots_per_token is not None:
+        return options.graph_slots_per_token
+    split_floor = options.core_options.get("min_split_tokens", DEFAULT_MIN_SPLIT_TOKENS)
+    return decode_slots_per_token(max_context_len, max_requests, min_split_tokens=int(split_floor))
+
+
 def configure(**changes: Any) -> StepOptions:
     """Set process-wide defaults for the :class:`StepPlanner` objects created afterwards, e.g.
     ``configure(hinted_plans=False)``; returns the new defaults. Engines that start worker
@@ -494,15 +504,8 @@ class StepPlanner:
         return self.graph_attention
 
     def slots_per_token(self, max_context_len: int, max_requests: int) -> int:
-        """(work item, token) slots reserved per graph token: the option, else the core's
-        :func:`~prefixattn.decode_slots_per_token`."""
-        override = self.options.graph_slots_per_token
-        if override is not None:
-            return override
-        split_floor = self.options.core_options.get("min_split_tokens", DEFAULT_MIN_SPLIT_TOKENS)
-        return decode_slots_per_token(
-            max_context_len, max_requests, min_split_tokens=int(split_floor)
-        )
+        """(work item, token) slots reserved per graph token (:func:`graph_slots_per_token`)."""
+        return graph_slots_per_token(self.options, max_context_len, max_requests)
 
     def spare_slots(self) -> int:
         """Slots reserved beyond the per-token ones: at least 1024, and what plans of small
@@ -716,11 +719,11 @@ class StepPlanner:
     ) -> bool:
         """True while the batch is the one whose rows were last looked at, every request some
         steps further by one token per step (the same request ids ``ids`` of the real
-        requests, where the engine gives them), for fewer than :data:`HINT_REFRESH_STEPS` steps: a decode run. Its pages past
-        the copy are unknown to the hint, so planned as private, which a decode run's new
-        pages are; copying the whole table again every step (O(requests x context) host work
-        at page size 1) would tell nothing more, and its requests keep their first pages (the
-        probe's verdict). Otherwise (requests joined, left, moved
+        requests, where the engine gives them), for fewer than :data:`HINT_REFRESH_STEPS`
+        steps: a decode run. Its pages past the copy are unknown to the hint, so planned as
+        private, which a decode run's new pages are; copying the whole table again every step
+        (O(requests x context) host work at page size 1) would tell nothing more, and its
+        requests keep their first pages (the probe's verdict). Otherwise (requests joined, left, moved
         or took several tokens) the rows are looked at again."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         key = (

@@ -67,13 +67,14 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
-from prefixattn import CapturedBuffers, LaunchPlan, PrefixAttention, decode_slots_per_token
+from prefixattn import CapturedBuffers, LaunchPlan, PrefixAttention
 from prefixattn.attention import DECODE_DEPTH_ALLOWANCE, MAX_PAGE_SIZE
 from prefixattn.engine.step import (
     StepOptions,
     StepPlanner,
     cuda_graphs_available,
     default_options,
+    graph_slots_per_token,
     kernels_unavailable_reason,
 )
 from prefixattn.plan.tiles import SUPPORTED_HEAD_DIMS
@@ -223,12 +224,6 @@ def _with_padding(
     return lens, indptr
 
 
-def graph_slots_per_token(max_context_len: int, max_reqs: int) -> int:
-    """(work item, token) slots one decode token of a graph batch can take: the core's
-    :func:`decode_slots_per_token`."""
-    return decode_slots_per_token(max_context_len, max_reqs)
-
-
 def _kernels_built() -> bool:
     try:
         return bool(library.cuda_ops_available())
@@ -309,8 +304,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
     - reserves, in ``__init__``, the plan buffers and the partials of its
       ``PrefixAttention`` for the largest captured batch (``T`` tokens: vLLM's
       ``max_cudagraph_capture_size`` capped at ``max_num_seqs`` times the decode query length;
-      ``S * T + 1024`` work items and query slots, ``S`` from :func:`graph_slots_per_token` or
-      the ``graph_slots_per_token`` option; every request's pages up to ``max_model_len``);
+      ``S * T`` work items and query slots plus ``StepPlanner.spare_slots``, ``S`` from
+      ``prefixattn.engine.step.graph_slots_per_token`` (the ``graph_slots_per_token`` option,
+      else the core's); every request's pages up to ``max_model_len``);
     - plans graph-eligible batches (at most ``T`` tokens, no request with more new tokens than
       a decode or speculative verification has) into those buffers, covering all
       ``num_actual_tokens`` rows: vLLM pads a full-graph batch with requests that have no new
@@ -385,8 +381,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         """``T``: tokens of the largest batch vLLM may replay from a full graph."""
         self.max_model_len = model_config.max_model_len
         options = step_options(vllm_config)
-        self.slots_per_token = options.graph_slots_per_token or graph_slots_per_token(
-            self.max_model_len, self.max_graph_tokens
+        self.slots_per_token = graph_slots_per_token(
+            options, self.max_model_len, self.max_graph_tokens
         )
         """``S``: (work item, token) slots reserved per token of the largest graph."""
         self.planner = StepPlanner(
