@@ -55,8 +55,13 @@ def is_attention(name: str) -> bool:
 
 
 def load(path: Path) -> list[dict[str, Any]]:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    data = json.loads(raw)
+    """The complete ("X") events of a trace; ``ValueError`` naming ``path`` when the file is
+    cut off (a profiler stopped while writing it) or is not a trace."""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        data = json.loads(raw)
+    except (EOFError, gzip.BadGzipFile, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a complete trace ({type(e).__name__}: {e})") from e
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 

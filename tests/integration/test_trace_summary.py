@@ -104,3 +104,17 @@ def test_attention_share_of_steps(ts, tmp_path: Path) -> None:
     path.write_text(json.dumps(ev))
     [summary] = ts.summarize_traces(tmp_path, step_marker="cudaGraphLaunch").values()
     assert summary["steps"]["attention_ms_per_step"] == 0.3
+
+
+def test_cut_off_trace_is_an_error_entry(ts, tmp_path: Path) -> None:
+    """A trace whose writer was stopped part-way (a worker out of time) is reported, not
+    raised: the serving benchmark summarises every backend's traces after it exits."""
+    whole = gzip.compress(json.dumps({"traceEvents": TRACE}).encode())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "cut.json.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "a" / "ok.json.gz").write_bytes(whole)
+    with pytest.raises(ValueError, match="cut.json.gz: not a complete trace"):
+        ts.load(tmp_path / "a" / "cut.json.gz")
+    out = ts.summarize_traces(tmp_path)
+    assert "not a complete trace" in out["a/cut.json.gz"]["error"]
+    assert out["a/ok.json.gz"]["gpu_busy_ms"] == pytest.approx(0.59)
