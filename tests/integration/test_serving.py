@@ -245,15 +245,15 @@ def test_profile_run_is_one_more_run_under_the_profiler(tmp_path) -> None:
             calls.append("reset")
             return True
 
-        def start_profile(self, folder, prefix) -> None:
-            calls.append(f"start {folder.name} {prefix}")
+        def start_profile(self, folder, prefix, steps=0) -> None:
+            calls.append(f"start {folder.name} {prefix} {steps}")
 
         def stop_profile(self) -> None:
             calls.append("stop")
 
     driver = Profiled()
-    engines.profile_run(driver, w, tmp_path / "prefixattn")
-    assert calls == ["reset", "start prefixattn decode", "stop"] and driver.prompts
+    engines.profile_run(driver, w, tmp_path / "prefixattn", 50)
+    assert calls == ["reset", "start prefixattn decode 50", "stop"] and driver.prompts
 
     class Failing(Profiled):
         def generate(self, prompts, reqs, temperature):
@@ -267,8 +267,36 @@ def test_profile_run_is_one_more_run_under_the_profiler(tmp_path) -> None:
     args = bench.parse_args(["--engine", "sglang", "--profile", str(tmp_path / "p")])
     cmd = bench.worker_cmd(args, "prefixattn", "MODEL", tmp_path / "r.json")
     assert cmd[cmd.index("--profile") + 1] == str((tmp_path / "p").resolve())
+    assert cmd[cmd.index("--profile-steps") + 1] == "200"  # a trace written in seconds
+    worker = bench.parse_args(cmd[cmd.index("--worker") :])
+    assert worker.profile_steps == 200 and worker.worker == "prefixattn"
     with pytest.raises(SystemExit):
         bench.parse_args(["--engine", "sglang", "--mode", "online", "--profile", "p"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "sglang", "--profile", "p", "--profile-steps", "-1"])
+
+
+def test_sglang_profile_of_some_steps_stops_by_itself() -> None:
+    """SGLang ends a ``num_steps`` profile itself and then refuses ``stop_profile``; a
+    whole-run profile's refusal is still an error."""
+    seen: list[dict] = []
+
+    class Engine:
+        def start_profile(self, **kwargs) -> None:
+            seen.append(kwargs)
+
+        def stop_profile(self) -> None:
+            raise RuntimeError("Profiling is not in progress")
+
+    driver = engines.SglangDriver.__new__(engines.SglangDriver)
+    driver.engine = Engine()
+    driver.start_profile(Path("/tmp/p"), "forest", 100)
+    assert seen[-1]["num_steps"] == 100 and seen[-1]["profile_prefix"] == "forest"
+    driver.stop_profile()
+    driver.start_profile(Path("/tmp/p"), "forest")
+    assert seen[-1]["num_steps"] is None
+    with pytest.raises(RuntimeError, match="not in progress"):
+        driver.stop_profile()
 
 
 def test_sglang_stream_chunks_are_cumulative_per_sample() -> None:

@@ -113,7 +113,7 @@ def test_cut_off_trace_is_an_error_entry(ts, tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "cut.json.gz").write_bytes(whole[: len(whole) // 2])
     (tmp_path / "a" / "ok.json.gz").write_bytes(whole)
-    with pytest.raises(ValueError, match="cut.json.gz: not a complete trace"):
+    with pytest.raises(ValueError, match=r"cut\.json\.gz: not a complete trace"):
         ts.load(tmp_path / "a" / "cut.json.gz")
     out = ts.summarize_traces(tmp_path)
     assert "not a complete trace" in out["a/cut.json.gz"]["error"]

@@ -46,8 +46,9 @@ JSON (``--out``), a Markdown table next to it (``.md``, also printed) and a bar 
 ``--profile DIR`` (offline): after a workload's timed runs, one more run under the engine's
 torch profiler (traces in ``DIR/BACKEND``, never in the timings), summarised into the JSON
 (``tools/trace_summary.py``: GPU busy and idle time, the longest idle gaps and the host
-ranges in them, the attention kernels' time and the kernels that took the most). Traces of a
-whole run are large: give such runs smaller sizes (``--size forest.requests=128``).
+ranges in them, the attention kernels' time and the kernels that took the most). The trace
+covers the profiled run's first ``--profile-steps`` engine steps (200; 0: the whole run,
+whose trace can take minutes to write: give such runs smaller sizes).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="offline: profile one more run of each workload into DIR/BACKEND and "
                          "summarize the traces")  # fmt: skip
+    ap.add_argument("--profile-steps", type=int, default=200, metavar="N",
+                    help="with --profile: trace the profiled run's first N engine steps (0: "
+                         "the whole run, whose trace can take minutes to write)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (backends, workloads, sizes, commands) and exit")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -142,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate must be positive")
     if args.profile is not None and args.mode != "offline":
         ap.error("--profile profiles offline runs; use --mode offline")
+    if args.profile_steps < 0:
+        ap.error("--profile-steps must be 0 (the whole run) or positive")
     if args.out is None:
         args.out = RESULTS / f"serving_{args.engine}_{args.mode}.json"
     return args
@@ -156,7 +162,8 @@ def worker_cmd(args: argparse.Namespace, backend: str, model: str, result: Path)
         "--reps", str(args.reps), "--seed", str(args.seed),
         "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
         "--gpu-mem", str(args.gpu_mem), "--capture-sizes", args.capture_sizes,
-        *(["--profile", str(args.profile.resolve())] if args.profile else []),
+        *(["--profile", str(args.profile.resolve()), "--profile-steps", str(args.profile_steps)]
+          if args.profile else []),
     ]  # fmt: skip
 
 

@@ -146,8 +146,9 @@ class Driver:
         ``index``; returns the first sample's ids."""
         raise NotImplementedError
 
-    def start_profile(self, folder: Path, prefix: str) -> None:
-        """Start the engine's torch profiler; its traces go below ``folder``."""
+    def start_profile(self, folder: Path, prefix: str, steps: int = 0) -> None:
+        """Start the engine's torch profiler; its traces go below ``folder``. ``steps``: stop
+        by itself after that many engine steps (0: at :meth:`stop_profile`)."""
         raise NotImplementedError
 
     def stop_profile(self) -> None:
@@ -254,6 +255,7 @@ class VllmDriver(Driver):
             kwargs["profiler_config"] = {
                 "profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
                 "torch_profiler_dir": str(Path(args.profile) / backend),
+                "torch_profiler_dump_cuda_time_total": False,
             }  # fmt: skip
         if args.capture_sizes != "default":
             sizes = [int(x) for x in args.capture_sizes.split(",")]
@@ -312,13 +314,16 @@ class VllmDriver(Driver):
             ids += [t for o in out.outputs if o.index == 0 for t in o.token_ids]
         return ids
 
-    def start_profile(self, folder: Path, prefix: str) -> None:
+    def start_profile(self, folder: Path, prefix: str, steps: int = 0) -> None:
         # The folder was fixed when the engine started (profiler_config); the prefix names
         # this trace.
-        self.llm.start_profile(prefix)
+        if steps:
+            self.llm.start_profile(prefix, max_iterations=steps)
+        else:
+            self.llm.start_profile(prefix)
 
     def stop_profile(self) -> None:
-        self.llm.stop_profile()
+        self.llm.stop_profile()  # nothing to stop after max_iterations: vLLM checks
 
     def reset_cache(self) -> bool:
         if self.online_mode:
@@ -390,12 +395,18 @@ class SglangDriver(Driver):
                 ids = chunk["output_ids"]
         return list(ids)
 
-    def start_profile(self, folder: Path, prefix: str) -> None:
+    def start_profile(self, folder: Path, prefix: str, steps: int = 0) -> None:
         self.engine.start_profile(output_dir=str(folder), activities=["CPU", "GPU"],
-                                  with_stack=False, profile_prefix=prefix)  # fmt: skip
+                                  with_stack=False, profile_prefix=prefix,
+                                  num_steps=steps or None)  # fmt: skip
+        self.profile_steps = steps
 
     def stop_profile(self) -> None:
-        self.engine.stop_profile()
+        try:
+            self.engine.stop_profile()
+        except Exception:  # a profile of num_steps stops by itself
+            if not getattr(self, "profile_steps", 0):
+                raise
 
     def reset_cache(self) -> bool:
         out = self.engine.flush_cache()
@@ -437,11 +448,12 @@ def measure(
     return summary
 
 
-def profile_run(driver: Driver, w: Workload, folder: Path) -> None:
+def profile_run(driver: Driver, w: Workload, folder: Path, steps: int = 0) -> None:
     """One more offline run of ``w`` after a prefix-cache reset, under the engine's profiler
-    (traces below ``folder``, named after the workload); the profiler stops on any error."""
+    (traces below ``folder``, named after the workload; its first ``steps`` engine steps, 0:
+    all); the profiler stops on any error."""
     driver.reset_cache()
-    driver.start_profile(folder, w.name)
+    driver.start_profile(folder, w.name, steps)
     try:
         driver.offline(w)
     finally:
@@ -477,7 +489,8 @@ def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
                 result["workloads"][w.name] = measure(driver, w, args, progress)
                 save(result)
                 if getattr(args, "profile", None) is not None:  # never in the timings above
-                    profile_run(driver, w, Path(args.profile) / args.worker)
+                    steps = getattr(args, "profile_steps", 0)
+                    profile_run(driver, w, Path(args.profile) / args.worker, steps)
         result["finished"] = True
         save(result)
     finally:
