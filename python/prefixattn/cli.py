@@ -188,6 +188,11 @@ def plan_bench(argv: list[str] | None = None) -> int:
         "engine adapters plan them (StepPlanner, block table on --device); host time per step",
     )  # fmt: skip
     parser.add_argument(
+        "--finish-every", type=positive_int, default=None, metavar="K",
+        help="with --decode-run: one request finishes every K steps (the batch shrinks, its "
+        "rows close up in order, as after requests of different output lengths)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", default=None,
         help="with --decode-run: where the block table lives (default cuda if available)",
     )  # fmt: skip
@@ -300,8 +305,10 @@ def _decode_run_arg(text: str) -> tuple[int, int, int]:
 def _decode_run_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
     """Plan ``--repeat`` decode steps of one batch the way the engine adapters do
     (:class:`~prefixattn.engine.step.StepPlanner`): each step one more token per request,
-    the block table on ``--device``. Reports the host time of each plan kind; on CUDA also
-    the time until the plan's device work is done."""
+    the block table on ``--device``; with ``--finish-every K`` one request leaves every K
+    steps (its row removed, the later rows moved up, requests known by id). Reports the host
+    time of each plan kind, apart for steps whose batch changed; on CUDA also the time until
+    the plan's device work is done."""
     import cProfile
     import pstats
 
@@ -332,8 +339,19 @@ def _decode_run_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
         host: dict[str, list[float]] = {}
         done: dict[str, list[float]] = {}
         profiler = cProfile.Profile() if args.profile else None
-        for _ in range(steps):
-            choice = planner.choose(requests, decode=True)
+        ids = np.arange(requests)  # the running requests, in row order
+        rng = np.random.default_rng(0)
+        every = args.finish_every
+        for step in range(steps):
+            changed = bool(every) and step > 0 and step % every == 0 and len(ids) > 1
+            if changed:  # one request leaves; the rows after it move up
+                gone = int(rng.integers(len(ids)))
+                ids, seq_lens = np.delete(ids, gone), np.delete(seq_lens, gone)
+                device_table = torch.from_numpy(np.ascontiguousarray(table[ids])).to(device)
+            n = len(ids)
+            step_indptr = indptr[: n + 1]
+            step_ids = ids if every else None  # requests known by id once rows move
+            choice = planner.choose(n, decode=True)
             if cuda:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -341,26 +359,31 @@ def _decode_run_bench(args: argparse.Namespace, hq: int, hkv: int) -> int:
                 profiler.enable()
             if choice.device_table:
                 planner.plan_device(
-                    attention, choice, device_table, seq_lens, indptr, num_real=requests
-                )
+                    attention, choice, device_table, seq_lens, step_indptr, num_real=n,
+                    ids=step_ids,
+                )  # fmt: skip
             else:
-                planner.plan_host(attention, table, seq_lens, indptr, num_real=requests)
+                planner.plan_host(
+                    attention, table[ids], seq_lens, step_indptr, num_real=n, ids=step_ids
+                )
             if profiler is not None:
                 profiler.disable()
             t1 = time.perf_counter()
             if cuda:
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
-            host.setdefault(choice.kind, []).append((t1 - t0) * 1e3)
-            done.setdefault(choice.kind, []).append((t2 - t0) * 1e3)
+            kind = choice.kind + (" (batch changed)" if changed else "")
+            host.setdefault(kind, []).append((t1 - t0) * 1e3)
+            done.setdefault(kind, []).append((t2 - t0) * 1e3)
             seq_lens = seq_lens + 1
         print(
             f"decode run: {requests} requests, {shared} shared + {private} private tokens, "
             f"page_size {ps}, {steps} steps on {device}"
+            + (f", one request leaving every {every} steps" if every else "")
         )
         for kind, times in host.items():
             t, d = np.asarray(times), np.asarray(done[kind])
-            line = f"  {kind:>8}: {len(t):>3} steps, host median {np.median(t):.3f} ms"
+            line = f"  {kind:>24}: {len(t):>3} steps, host median {np.median(t):.3f} ms"
             line += f" (min {t.min():.3f}, max {t.max():.3f})"
             if cuda:
                 line += f", with its device work {np.median(d):.3f} ms"

@@ -45,6 +45,13 @@ def test_plan_bench_decode_run(capsys: pytest.CaptureFixture[str]) -> None:
     # The first step copies the table; the rest plan from the device table with the hint.
     assert out.count("copy:   1 steps") == 2 and out.count("hinted:  19 steps") == 2
     assert "cumulative" in out  # the profile
+    # A request leaves every 4 steps: those steps are reported apart.
+    assert main([*argv, "--device", "cpu", "--finish-every", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("hinted (batch changed):   4 steps") == 2
+    assert out.count("one request leaving every 4 steps") == 2
+    with pytest.raises(SystemExit):
+        main([*argv, "--finish-every", "0"])
     with pytest.raises(SystemExit):
         main(["plan-bench", "--decode-run", "16,256"])
     with pytest.raises(SystemExit):

@@ -629,3 +629,53 @@ def test_hint_fallback_model() -> None:
     extend = module.run("sglang", 40, 64, 16, 0, True)
     assert extend["extend_kinds"] and "unshared" not in extend["kinds"], extend
     assert extend["kinds"].get("hinted", 0) >= 37
+
+
+def test_a_run_after_its_batch_changed_keeps_advancing(advances: dict[str, int]) -> None:
+    """After a request leaves (rows closed up, requests known by id), the changed step is
+    planned afresh and copies its rows; the steps after it keep that step's hint and advance
+    its plan rather than building one from the newly landed copy. A step whose hint did not
+    know a request (it joined) is no run's start: the next step takes the landed copy, which
+    knows the newcomer's shared pages."""
+    planner = _planner()
+
+    def rows(*heads: tuple[int, int]) -> list[list[int]]:  # 2 prefix pages, 18 private
+        return [[a, b, *range(100 * (i + 1), 100 * (i + 1) + 18)] for i, (a, b) in enumerate(heads)]
+
+    r = rows((1, 2), (1, 2), (1, 2), (1, 2))
+
+    def step_(batch: Batch, ids: list[int]) -> LaunchPlan:
+        choice = planner.choose(batch.num_real, decode=True)
+        attention = planner.attention_for(graph=False)
+        assert choice.device_table
+        return planner.plan_device(
+            attention, choice, torch.from_numpy(batch.table), batch.seq_lens, batch.qo_indptr,
+            num_real=batch.num_real, ids=np.asarray(ids),
+        )  # fmt: skip
+
+    full = Batch(r)
+    full.seq_lens = np.asarray([20, 30, 40, 50], np.int32)
+    run_step(planner, full)  # copy
+    step_(full, [0, 1, 2, 3])
+    # Request 1 leaves; request 3 moves into its row.
+    left = Batch([r[0], r[3], r[2]])
+    left.seq_lens = np.asarray([22, 52, 42], np.int32)
+    before = advances["advanced"]
+    assert kind(step_(left, [0, 3, 2])) == "hinted"
+    assert advances["advanced"] == before  # a new batch: planned afresh
+    for _ in range(3):
+        left.seq_lens = left.seq_lens + 1
+        plan = step_(left, [0, 3, 2])
+        assert kind(plan) == "hinted" and plan.distinct_kv_bytes < plan.query_centric_kv_bytes
+    # The hinted plan and its fallback, advanced at each of the three steps.
+    assert advances["advanced"] == before + 6
+    # A request joins under the same prefix: unknown to the hint, planned private once ...
+    joined = Batch([r[0], r[3], r[2], r[1]])
+    joined.seq_lens = np.asarray([*(left.seq_lens + 1), 9], np.int32)
+    alone = step_(joined, [0, 3, 2, 4])
+    # ... and with its shared pages from the next step on (the copy made at the join).
+    joined.seq_lens = joined.seq_lens + 1
+    shared = step_(joined, [0, 3, 2, 4])
+    assert kind(shared) == "hinted"
+    saved = shared.query_centric_kv_bytes - shared.distinct_kv_bytes
+    assert saved > alone.query_centric_kv_bytes - alone.distinct_kv_bytes

@@ -179,6 +179,29 @@ HINT_REFRESH_STEPS = 16
 :meth:`StepPlanner.plan_device`)."""
 
 
+_BatchKey = tuple[int, "bytes | None", "bytes | None"]
+"""A batch's identity across decode steps: its real requests, the rows they read (where the
+engine says), their ids (where the engine has them)."""
+
+
+def _batch_key(num_real: int, rows: Any, ids: Any) -> _BatchKey:
+    return (
+        num_real,
+        None if rows is None else np.asarray(rows)[:num_real].tobytes(),
+        None if ids is None else np.asarray(ids).tobytes(),
+    )
+
+
+@dataclasses.dataclass
+class _RunHint:
+    """The aligned hint of a decode run's first step and where the run stands."""
+
+    key: _BatchKey
+    lens: np.ndarray  # the requests' lengths at the run's first step
+    steps: int  # steps since it
+    aligned: np.ndarray
+
+
 def continued_rows(
     then: npt.ArrayLike,
     computed: npt.ArrayLike,
@@ -471,12 +494,15 @@ class StepPlanner:
         creates it)."""
         self._eager: PrefixAttention | None = None
         self._hint_view: tuple[np.ndarray, bytes, np.ndarray] | None = None
-        self._hint_run: tuple[tuple[int, bytes | None, bytes | None], np.ndarray, int] | None = None
+        self._hint_run: tuple[_BatchKey, np.ndarray, int] | None = None
         """(batch key, lengths, steps since) of the last step whose rows were copied as a
         hint; see :meth:`_hint_is_current`."""
         self._taught_by_running = False
         """The probe's verdict and the hint come from a batch that was not only prefills
         (:meth:`teaches`)."""
+        self._aligned_complete = False  # the last aligned hint described every request
+        self._run_hint: _RunHint | None = None
+        """The aligned hint a decode run keeps using (:meth:`_continued_hint`)."""
 
     # ---------------------------------------------------------------- the pair
     @property
@@ -610,12 +636,18 @@ class StepPlanner:
                 plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
             elif choice.kind == "hinted":
                 assert choice.hint is not None
-                hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, real_ids)
+                key = _batch_key(num_real, rows, real_ids)
+                hint = self._continued_hint(key, seq_lens, num_real)
+                if hint is None:
+                    hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, real_ids)
+                    self._start_run_hint(key, seq_lens, num_real, hint)
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
             else:
                 raise ValueError(f"plan_device plans unshared or hinted steps, not {choice.kind}")
+        if choice.kind != "hinted":
+            self._run_hint = None
         self.plan_kinds[choice.kind] += 1
         if self.options.count_fallbacks:
             self._count(plan)
@@ -652,6 +684,45 @@ class StepPlanner:
             return True
         return not self._taught_by_running
 
+    def _continued_hint(
+        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int
+    ) -> np.ndarray | None:
+        """The aligned hint of the step before, where this step continues that step's batch
+        as a decode run (the same requests in the same rows, one token more each, fewer than
+        :data:`HINT_REFRESH_STEPS` steps) and that hint described every request; else None.
+
+        A step whose batch changed (a request left, rows moved) is planned from the newest
+        hint and copies its own rows as the next hint. That copy describes the same requests
+        and the same shared pages, but as a new array it would make the next step's plan be
+        built afresh, where the plan of the step before can be advanced (one build per change
+        of the batch, not two). Pages a request gained since the hint's copy are private, as
+        a running request's new pages are."""
+        run = self._run_hint
+        if run is None:
+            return None
+        lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
+        steps = run.steps + 1
+        if (
+            run.key != key
+            or steps >= HINT_REFRESH_STEPS
+            or not np.array_equal(lens, run.lens + steps)
+        ):
+            self._run_hint = None
+            return None
+        run.steps = steps
+        self.hint_rows["kept"] += num_real
+        return run.aligned
+
+    def _start_run_hint(
+        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int, aligned: np.ndarray
+    ) -> None:
+        """Keep ``aligned`` for the decode run this step may start, where it described every
+        request (:meth:`_continued_hint`)."""
+        self._run_hint = None
+        if self._aligned_complete:
+            lens = np.asarray(seq_lens[:num_real], dtype=np.int64).copy()
+            self._run_hint = _RunHint(key, lens, 0, aligned)
+
     def _aligned_hint(
         self,
         hint: np.ndarray,
@@ -675,6 +746,7 @@ class StepPlanner:
         source = continued_rows(then, lens - new, HINT_REFRESH_STEPS, self.table_hint.ids, ids)
         kept = int(np.count_nonzero(source == np.arange(num_real)))
         unknown = int(np.count_nonzero(source < 0))
+        self._aligned_complete = unknown == 0
         self.hint_rows["kept"] += kept
         self.hint_rows["moved"] += num_real - kept - unknown
         self.hint_rows["unknown"] += unknown
@@ -726,11 +798,7 @@ class StepPlanner:
         requests keep their first pages (the probe's verdict). Otherwise (requests joined, left, moved
         or took several tokens) the rows are looked at again."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
-        key = (
-            num_real,
-            None if rows is None else np.asarray(rows)[:num_real].tobytes(),
-            None if ids is None else np.asarray(ids).tobytes(),
-        )
+        key = _batch_key(num_real, rows, ids)
         if self._hint_run is not None:
             last_key, last_lens, steps = self._hint_run
             steps += 1
@@ -768,6 +836,7 @@ class StepPlanner:
                     table[:num_real], seq_lens[:num_real], self.page_size, real_ids
                 )
                 self._hint_run = None  # the next device-table step copies its rows again
+        self._run_hint = None
         with record_function("prefixattn.plan"):
             plan = attention.plan(table, seq_lens, qo_indptr)
         if not capture:
