@@ -14,18 +14,12 @@ import prefixattn
 from prefixattn import LaunchOptions
 from prefixattn.runtime.buffers import Workspace
 from prefixattn.runtime.launch import run_plan
-from prefixattn.runtime.library import cuda_ops_available
 from prefixattn.workloads import PAT_TREES, tree_batch
 
+from . import KERNEL_MARKS
 from .attention_ref import gathered_attention
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.is_available() and not cuda_ops_available(),
-        reason="prefixattn was built without CUDA kernels",
-    ),
-]
+pytestmark = KERNEL_MARKS
 
 DEV = torch.device("cuda")
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -12,15 +12,10 @@ import torch
 
 from prefixattn import PrefixAttention
 from prefixattn.engine.step import StepPlanner
-from prefixattn.runtime.library import cuda_ops_available
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.is_available() and not cuda_ops_available(),
-        reason="prefixattn was built without CUDA kernels",
-    ),
-]
+from . import KERNEL_MARKS
+
+pytestmark = KERNEL_MARKS
 
 DEV = torch.device("cuda")
 
