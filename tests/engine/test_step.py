@@ -176,6 +176,11 @@ def test_counts_of_fallbacks_and_hint_rows(monkeypatch, caplog) -> None:
     assert counts["fallbacks"] == 2  # steps 3 and 7 (kinds above)
     # Every request of a hinted step here keeps its row (same count, lengths that match).
     assert counts["hint_rows"] == {"kept": 16, "moved": 0, "unknown": 0}
+    # The mean host time of a planning call of each kind that ran.
+    host = counts["host_ms_per_plan"]
+    assert set(host) == {"copy", "unshared", "hinted"} and all(v > 0 for v in host.values())
+    total = sum(host[k] * n for k, n in counts["plans"].items())
+    assert total == pytest.approx(1e3 * sum(planner.host_seconds.values()), abs=0.01)
     logged = [r.getMessage() for r in caplog.records if "planner counts" in r.getMessage()]
     assert len(logged) == 1 and "'fallbacks': 1" in logged[0]  # after step 4 (3 device plans)
     quiet = _planner()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
@@ -484,6 +485,9 @@ class StepPlanner:
         self.plan_kinds: dict[str, int] = {"copy": 0, "unshared": 0, "hinted": 0}
         """Steps planned from a host copy of their table, from lengths alone, from a hint
         (capture batches are not counted)."""
+        self.host_seconds: dict[str, float] = dict.fromkeys(self.plan_kinds, 0.0)
+        """Host time of the planning calls of each kind, summed (the step's plan, the look at
+        its rows; what the engine's host spends on prefixattn besides launching the kernels)."""
         self.hint_rows: dict[str, int] = {"kept": 0, "moved": 0, "unknown": 0}
         """Requests of hinted steps by the hint row that describes them: their own row, another
         (the engine moved them), none (new, or no row matched: planned private)."""
@@ -630,6 +634,29 @@ class StepPlanner:
         (:func:`continued_rows`), else by lengths. ``prefill_only``: the batch holds new
         requests' prefills alone (SGLang's extend batches; :meth:`teaches`).
         """
+        t0 = time.perf_counter()
+        plan = self._plan_device(
+            attention, choice, table, seq_lens, qo_indptr, num_real=num_real, rows=rows,
+            private=private, columns=columns, ids=ids, prefill_only=prefill_only,
+        )  # fmt: skip
+        self.host_seconds[choice.kind] += time.perf_counter() - t0
+        return plan
+
+    def _plan_device(
+        self,
+        attention: PrefixAttention,
+        choice: StepChoice,
+        table: torch.Tensor,
+        seq_lens: np.ndarray,
+        qo_indptr: np.ndarray | None,
+        *,
+        num_real: int,
+        rows: np.ndarray | None,
+        private: np.ndarray | None,
+        columns: int | None,
+        ids: npt.ArrayLike | None,
+        prefill_only: bool,
+    ) -> LaunchPlan:
         real_ids = None if ids is None else np.asarray(ids)[:num_real]
         with record_function("prefixattn.plan"):
             if choice.kind == "unshared":
@@ -765,10 +792,16 @@ class StepPlanner:
         return aligned
 
     def counts(self) -> dict[str, Any]:
-        """The planner's counts: :attr:`plan_kinds`, :attr:`hint_rows` and, with
+        """The planner's counts: :attr:`plan_kinds`, :attr:`hint_rows`, the mean host
+        milliseconds of a planning call of each kind (:attr:`host_seconds`) and, with
         :attr:`StepOptions.count_fallbacks`, ``"fallbacks"``, the hinted steps whose device
         check failed (read from the device: waits for the GPU)."""
         out: dict[str, Any] = {"plans": dict(self.plan_kinds), "hint_rows": dict(self.hint_rows)}
+        out["host_ms_per_plan"] = {
+            kind: round(1e3 * self.host_seconds[kind] / n, 3)
+            for kind, n in self.plan_kinds.items()
+            if n
+        }
         if self._fallbacks is not None:
             out["fallbacks"] = int(self._fallbacks.item())
         return out
@@ -828,6 +861,7 @@ class StepPlanner:
         ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
         recording its sharing and its rows (with their ``ids``, as in :meth:`plan_device`)
         as a later step's hint where it teaches (:meth:`teaches`: not a capture batch)."""
+        t0 = time.perf_counter()
         if num_real > 0 and self.teaches(prefill_only=prefill_only, capture=capture):
             self.probe.observe(table[:num_real, 0])
             if self.options.hinted_plans:
@@ -841,4 +875,5 @@ class StepPlanner:
             plan = attention.plan(table, seq_lens, qo_indptr)
         if not capture:
             self.plan_kinds["copy"] += 1
+            self.host_seconds["copy"] += time.perf_counter() - t0
         return plan
