@@ -558,3 +558,28 @@ def test_backends_whose_kernels_do_not_import_are_skipped(tmp_path, monkeypatch)
                              str(tmp_path / "r.json")])  # fmt: skip
     data = bench.run_backend(args, "fa3", "MODEL", 5.0)
     assert data["finished"] is False and "no FA3 in this build" in data["skipped"]
+
+
+def test_planner_counts_from_a_worker_log(tmp_path) -> None:
+    """The last counts line a prefixattn planner logged (``+count_fallbacks``) goes into the
+    backend's results; a log without one, or a cut-off line, gives none."""
+    log = tmp_path / "w.log"
+    first = {"plans": {"copy": 1, "unshared": 0, "hinted": 199}, "fallbacks": 0}
+    last = {
+        "plans": {"copy": 1, "unshared": 2, "hinted": 397},
+        "hint_rows": {"kept": 9, "moved": 1, "unknown": 0},
+        "host_ms_per_plan": {"copy": 12.5, "hinted": 0.71},
+        "fallbacks": 3,
+    }
+    log.write_text(
+        "INFO something\n"
+        f"[2026-11-28 15:31:15] prefixattn step planner counts: {first}\n"
+        "Capturing batches (bs=256)\n"
+        f"(EngineCore pid=7) WARNING prefixattn step planner counts: {last}\n"
+    )
+    assert bench.planner_counts(log) == last
+    log.write_text("prefixattn step planner counts: {'plans': {'copy'\n")
+    assert bench.planner_counts(log) is None
+    log.write_text("no counts here\n")
+    assert bench.planner_counts(log) is None
+    assert bench.planner_counts(tmp_path / "missing.log") is None

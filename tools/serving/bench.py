@@ -49,6 +49,10 @@ torch profiler (traces in ``DIR/BACKEND``, never in the timings), summarised int
 ranges in them, the attention kernels' time and the kernels that took the most). The trace
 covers the profiled run's first ``--profile-steps`` engine steps (200; 0: the whole run,
 whose trace can take minutes to write: give such runs smaller sizes).
+
+``prefixattn+count_fallbacks`` (any ``+`` variant: ``tools/variants.py``) logs the planner's
+counts every 200 planned steps; the last of them goes into that backend's results as
+``planner_counts`` (plan kinds, hint rows, mean host milliseconds per plan, fallbacks).
 """
 
 from __future__ import annotations
@@ -335,6 +339,32 @@ def unavailable(engine: str, backend: str, env: dict[str, str] | None = None) ->
     return f"{statement!r} failed: {lines[-1] if lines else f'exit {done.returncode}'}"
 
 
+COUNTS_MARK = "prefixattn step planner counts: "
+
+
+def planner_counts(log: Path) -> dict[str, Any] | None:
+    """The last counts a prefixattn planner logged into ``log`` (``StepOptions.
+    count_fallbacks``, the ``+count_fallbacks`` variant: plan kinds, hint rows, host
+    milliseconds per plan, fallbacks), or None. Each of an engine's planners logs its own;
+    the last line is the latest of one of them."""
+    import ast
+
+    if not log.exists():
+        return None
+    last = None
+    for line in log.read_text(errors="replace").splitlines():
+        at = line.find(COUNTS_MARK)
+        if at >= 0:
+            last = line[at + len(COUNTS_MARK) :].strip()
+    if last is None:
+        return None
+    try:
+        value = ast.literal_eval(last)
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: float) -> dict:
     missing = unavailable(args.engine, backend)
     if missing is not None:
@@ -350,6 +380,9 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
     wall = round(time.monotonic() - t0, 1)
     data: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
     data.update(exit=code, wall_s=wall, log=str(log))
+    counts = planner_counts(log)
+    if counts is not None:
+        data["planner_counts"] = counts
     if args.profile is not None and (args.profile / backend).exists():
         from tools.trace_summary import summarize_traces
 
