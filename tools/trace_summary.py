@@ -34,6 +34,7 @@ import gzip
 import itertools
 import json
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def load(path: Path) -> list[dict[str, Any]]:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
         data = json.loads(raw)
-    except (EOFError, gzip.BadGzipFile, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a complete trace ({type(e).__name__}: {e})") from e
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X" and "dur" in e]

@@ -684,3 +684,24 @@ def test_a_run_after_its_batch_changed_keeps_advancing(advances: dict[str, int])
     assert kind(shared) == "hinted"
     saved = shared.query_centric_kv_bytes - shared.distinct_kv_bytes
     assert saved > alone.query_centric_kv_bytes - alone.distinct_kv_bytes
+
+
+def test_a_run_drops_a_hint_that_matched_the_wrong_rows() -> None:
+    """Without ids, requests of equal lengths are matched to rows by lengths alone: after the
+    request of row 1 leaves, the hint pairs request 1 with the row of the request that left,
+    under another prefix, and the device check falls back. The run keeps that hint only until
+    the copy of its own rows lands: the next step is hinted again."""
+    planner = _planner()
+    a = [[1, 2, *range(100 + 10 * i, 106 + 10 * i)] for i in range(2)]  # prefix [1, 2]
+    b = [[5, 6, *range(300 + 10 * i, 306 + 10 * i)] for i in range(2)]  # prefix [5, 6]
+    rows = a + b
+    lens = np.full(4, 2 * PAGE + 8, np.int32)
+    kinds = []
+    for _ in range(4):
+        kinds.append(kind(run_step(planner, _step(rows, list(lens)))))
+        lens = lens + 1
+    rows, lens = [rows[0], rows[2], rows[3]], np.delete(lens, 1)
+    for _ in range(6):
+        kinds.append(kind(run_step(planner, _step(rows, list(lens)))))
+        lens = lens + 1
+    assert kinds == ["copy", *["hinted"] * 3, "hinted-fallback", *["hinted"] * 5], kinds

@@ -86,6 +86,7 @@ def test_planned_steps_do_not_synchronize(page_size: int) -> None:
         for _, _, indptr, _ in inputs
     ]
     kinds: list[str] = []
+    plans = []
 
     def one(i: int) -> None:
         table, lens, indptr, ids = inputs[i]
@@ -102,6 +103,7 @@ def test_planned_steps_do_not_synchronize(page_size: int) -> None:
             )
         attention.run(qs[i], k, v, plan=plan)
         kinds.append(choice.kind)
+        plans.append(plan)
 
     one(0)  # the first step copies the table (a host plan)
     one(1)
@@ -114,3 +116,5 @@ def test_planned_steps_do_not_synchronize(page_size: int) -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert kinds[0] == "copy" and set(kinds[2:]) == {"hinted"}, kinds
+    # Requests known by id: every hint matched, no step fell back.
+    assert not any(bool(p.fallback_taken) for p in plans[2:])

@@ -298,6 +298,37 @@ def test_sglang_profile_of_some_steps_stops_by_itself() -> None:
     with pytest.raises(RuntimeError, match="not in progress"):
         driver.stop_profile()
 
+    class Broken(Engine):
+        def stop_profile(self) -> None:
+            raise RuntimeError("the scheduler died")
+
+    driver.engine = Broken()
+    driver.start_profile(Path("/tmp/p"), "forest", 100)
+    with pytest.raises(RuntimeError, match="died"):  # only the expected refusal is quiet
+        driver.stop_profile()
+
+
+def test_vllm_profile_of_some_steps_on_older_releases() -> None:
+    """vLLM 0.33 takes max_iterations per profile; older releases, whose start_profile has
+    no such argument, profile the whole run."""
+    calls: list[tuple] = []
+
+    class New:
+        def start_profile(self, prefix=None, *, max_iterations=None) -> None:
+            calls.append((prefix, max_iterations))
+
+    class Old:
+        def start_profile(self, prefix=None) -> None:
+            calls.append((prefix, "whole"))
+
+    driver = engines.VllmDriver.__new__(engines.VllmDriver)
+    driver.llm = New()
+    driver.start_profile(Path("/tmp/p"), "forest", 50)
+    driver.llm = Old()
+    driver.start_profile(Path("/tmp/p"), "forest", 50)
+    driver.start_profile(Path("/tmp/p"), "chat")
+    assert calls == [("forest", 50), ("forest", "whole"), ("chat", "whole")]
+
 
 def test_sglang_stream_chunks_are_cumulative_per_sample() -> None:
     class Engine:

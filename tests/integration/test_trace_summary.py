@@ -115,6 +115,11 @@ def test_cut_off_trace_is_an_error_entry(ts, tmp_path: Path) -> None:
     (tmp_path / "a" / "ok.json.gz").write_bytes(whole)
     with pytest.raises(ValueError, match=r"cut\.json\.gz: not a complete trace"):
         ts.load(tmp_path / "a" / "cut.json.gz")
+    # A corrupted stream (bytes flipped inside the deflate data), not only a cut-off one.
+    bad = bytearray(whole)
+    bad[20:40] = bytes(b ^ 0xFF for b in bad[20:40])
+    (tmp_path / "a" / "bad.json.gz").write_bytes(bytes(bad))
     out = ts.summarize_traces(tmp_path)
     assert "not a complete trace" in out["a/cut.json.gz"]["error"]
+    assert "not a complete trace" in out["a/bad.json.gz"]["error"]
     assert out["a/ok.json.gz"]["gpu_busy_ms"] == pytest.approx(0.59)

@@ -318,9 +318,12 @@ class VllmDriver(Driver):
         # The folder was fixed when the engine started (profiler_config); the prefix names
         # this trace.
         if steps:
-            self.llm.start_profile(prefix, max_iterations=steps)
-        else:
-            self.llm.start_profile(prefix)
+            try:
+                self.llm.start_profile(prefix, max_iterations=steps)
+                return
+            except TypeError:  # vLLM before 0.33: no per-session limit, the whole run
+                pass
+        self.llm.start_profile(prefix)
 
     def stop_profile(self) -> None:
         self.llm.stop_profile()  # nothing to stop after max_iterations: vLLM checks
@@ -404,8 +407,8 @@ class SglangDriver(Driver):
     def stop_profile(self) -> None:
         try:
             self.engine.stop_profile()
-        except Exception:  # a profile of num_steps stops by itself
-            if not getattr(self, "profile_steps", 0):
+        except RuntimeError as e:  # a profile of num_steps stops by itself
+            if not (getattr(self, "profile_steps", 0) and "not in progress" in str(e)):
                 raise
 
     def reset_cache(self) -> bool:

@@ -201,6 +201,19 @@ class _RunHint:
     lens: np.ndarray  # the requests' lengths at the run's first step
     steps: int  # steps since it
     aligned: np.ndarray
+    source: np.ndarray  # the hint it was aligned from
+    checked: bool = False  # against the copy of the run's first step's own rows
+
+
+def _agrees(aligned: np.ndarray, copy: np.ndarray) -> bool:
+    """Do two hints of the same requests (row b: request b) hold the same page wherever both
+    know it? A match of requests to rows by lengths alone can pair a request with another
+    one's row (requests of equal lengths); the copy of the step's own rows cannot."""
+    rows = min(aligned.shape[0], copy.shape[0])
+    cols = min(aligned.shape[1], copy.shape[1])
+    a, c = aligned[:rows, :cols], copy[:rows, :cols]
+    known = (a >= 0) & (c >= 0)
+    return bool(np.array_equal(a[known], c[known]))
 
 
 def continued_rows(
@@ -640,6 +653,8 @@ class StepPlanner:
             private=private, columns=columns, ids=ids, prefill_only=prefill_only,
         )  # fmt: skip
         self.host_seconds[choice.kind] += time.perf_counter() - t0
+        if self.options.count_fallbacks:
+            self._count(plan)  # after the time: its log line reads the device
         return plan
 
     def _plan_device(
@@ -664,10 +679,10 @@ class StepPlanner:
             elif choice.kind == "hinted":
                 assert choice.hint is not None
                 key = _batch_key(num_real, rows, real_ids)
-                hint = self._continued_hint(key, seq_lens, num_real)
+                hint = self._continued_hint(key, seq_lens, num_real, choice.hint)
                 if hint is None:
                     hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, real_ids)
-                    self._start_run_hint(key, seq_lens, num_real, hint)
+                    self._start_run_hint(key, seq_lens, num_real, hint, choice.hint)
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
@@ -676,8 +691,6 @@ class StepPlanner:
         if choice.kind != "hinted":
             self._run_hint = None
         self.plan_kinds[choice.kind] += 1
-        if self.options.count_fallbacks:
-            self._count(plan)
         if not self.teaches(prefill_only=prefill_only) or self._hint_is_current(
             seq_lens, rows, num_real, real_ids
         ):
@@ -712,7 +725,7 @@ class StepPlanner:
         return not self._taught_by_running
 
     def _continued_hint(
-        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int
+        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int, newest: np.ndarray
     ) -> np.ndarray | None:
         """The aligned hint of the step before, where this step continues that step's batch
         as a decode run (the same requests in the same rows, one token more each, fewer than
@@ -723,7 +736,9 @@ class StepPlanner:
         and the same shared pages, but as a new array it would make the next step's plan be
         built afresh, where the plan of the step before can be advanced (one build per change
         of the batch, not two). Pages a request gained since the hint's copy are private, as
-        a running request's new pages are."""
+        a running request's new pages are. Once that copy has landed (``newest``, the hint
+        the step was given), the kept hint is compared with it where both know a page: a
+        request matched to another request's row ends the run, which then takes the copy."""
         run = self._run_hint
         if run is None:
             return None
@@ -736,19 +751,31 @@ class StepPlanner:
         ):
             self._run_hint = None
             return None
+        if not run.checked and newest is not run.source:
+            then = self.table_hint.lens
+            if then is not None and np.array_equal(then, run.lens):  # the first step's copy
+                run.checked = True
+                if not _agrees(run.aligned, newest):
+                    self._run_hint = None
+                    return None
         run.steps = steps
         self.hint_rows["kept"] += num_real
         return run.aligned
 
     def _start_run_hint(
-        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int, aligned: np.ndarray
+        self,
+        key: _BatchKey,
+        seq_lens: np.ndarray,
+        num_real: int,
+        aligned: np.ndarray,
+        source: np.ndarray,
     ) -> None:
-        """Keep ``aligned`` for the decode run this step may start, where it described every
-        request (:meth:`_continued_hint`)."""
+        """Keep ``aligned`` (made from the hint ``source``) for the decode run this step may
+        start, where it described every request (:meth:`_continued_hint`)."""
         self._run_hint = None
         if self._aligned_complete:
             lens = np.asarray(seq_lens[:num_real], dtype=np.int64).copy()
-            self._run_hint = _RunHint(key, lens, 0, aligned)
+            self._run_hint = _RunHint(key, lens, 0, aligned, source)
 
     def _aligned_hint(
         self,
