@@ -205,6 +205,15 @@ class _RunHint:
     checked: bool = False  # against the copy of the run's first step's own rows
 
 
+def _continues(
+    run_key: _BatchKey, run_lens: np.ndarray, steps: int, key: _BatchKey, lens: np.ndarray
+) -> bool:
+    """Is a step of batch ``key`` with lengths ``lens`` the ``steps``-th step of the decode
+    run that began with batch ``run_key`` at lengths ``run_lens``: the same requests in the
+    same rows, one token more each per step, fewer than :data:`HINT_REFRESH_STEPS` steps?"""
+    return run_key == key and steps < HINT_REFRESH_STEPS and np.array_equal(lens, run_lens + steps)
+
+
 def _agrees(aligned: np.ndarray, copy: np.ndarray) -> bool:
     """Do two hints of the same requests (row b: request b) hold the same page wherever both
     know it? A match of requests to rows by lengths alone can pair a request with another
@@ -517,7 +526,6 @@ class StepPlanner:
         self._taught_by_running = False
         """The probe's verdict and the hint come from a batch that was not only prefills
         (:meth:`teaches`)."""
-        self._aligned_complete = False  # the last aligned hint described every request
         self._run_hint: _RunHint | None = None
         """The aligned hint a decode run keeps using (:meth:`_continued_hint`)."""
 
@@ -681,8 +689,13 @@ class StepPlanner:
                 key = _batch_key(num_real, rows, real_ids)
                 hint = self._continued_hint(key, seq_lens, num_real, choice.hint)
                 if hint is None:
-                    hint = self._aligned_hint(choice.hint, seq_lens, qo_indptr, num_real, real_ids)
-                    self._start_run_hint(key, seq_lens, num_real, hint, choice.hint)
+                    hint, complete = self._aligned_hint(
+                        choice.hint, seq_lens, qo_indptr, num_real, real_ids
+                    )
+                    # A hint that described every request is kept for the decode run this
+                    # step may start (_continued_hint).
+                    lens = np.array(seq_lens[:num_real], dtype=np.int64)
+                    self._run_hint = _RunHint(key, lens, 0, hint, choice.hint) if complete else None
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
@@ -744,11 +757,7 @@ class StepPlanner:
             return None
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         steps = run.steps + 1
-        if (
-            run.key != key
-            or steps >= HINT_REFRESH_STEPS
-            or not np.array_equal(lens, run.lens + steps)
-        ):
+        if not _continues(run.key, run.lens, steps, key, lens):
             self._run_hint = None
             return None
         if not run.checked and newest is not run.source:
@@ -762,21 +771,6 @@ class StepPlanner:
         self.hint_rows["kept"] += num_real
         return run.aligned
 
-    def _start_run_hint(
-        self,
-        key: _BatchKey,
-        seq_lens: np.ndarray,
-        num_real: int,
-        aligned: np.ndarray,
-        source: np.ndarray,
-    ) -> None:
-        """Keep ``aligned`` (made from the hint ``source``) for the decode run this step may
-        start, where it described every request (:meth:`_continued_hint`)."""
-        self._run_hint = None
-        if self._aligned_complete:
-            lens = np.asarray(seq_lens[:num_real], dtype=np.int64).copy()
-            self._run_hint = _RunHint(key, lens, 0, aligned, source)
-
     def _aligned_hint(
         self,
         hint: np.ndarray,
@@ -784,13 +778,14 @@ class StepPlanner:
         qo_indptr: np.ndarray | None,
         num_real: int,
         ids: npt.ArrayLike | None = None,
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, bool]:
         """The hint's rows of the step's real requests, in their order: row b is the hint
         row request b continues (:func:`continued_rows`), -1 throughout for requests none
         describes (new ones, or ones that moved where no row matches). Requests past
         ``num_real`` read the engine's padding rows, which no hint describes. ``ids``: the
         real requests' ids, or None. The same array each step the alignment repeats (a
-        decode run), so the planner can keep what it derived from it."""
+        decode run), so the planner can keep what it derived from it. Also: whether a row
+        described every request."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         new: np.ndarray = np.ones(num_real, dtype=np.int64)
         if qo_indptr is not None:
@@ -800,14 +795,13 @@ class StepPlanner:
         source = continued_rows(then, lens - new, HINT_REFRESH_STEPS, self.table_hint.ids, ids)
         kept = int(np.count_nonzero(source == np.arange(num_real)))
         unknown = int(np.count_nonzero(source < 0))
-        self._aligned_complete = unknown == 0
         self.hint_rows["kept"] += kept
         self.hint_rows["moved"] += num_real - kept - unknown
         self.hint_rows["unknown"] += unknown
         key = source.tobytes()
         view = self._hint_view
         if view is not None and view[0] is hint and view[1] == key:
-            return view[2]
+            return view[2], unknown == 0
         if hint.shape[0] >= num_real and np.array_equal(source, np.arange(num_real)):
             aligned = hint[:num_real]
         else:
@@ -816,7 +810,7 @@ class StepPlanner:
             aligned[known] = hint[source[known]]
             aligned.flags.writeable = False
         self._hint_view = (hint, key, aligned)
-        return aligned
+        return aligned, unknown == 0
 
     def counts(self) -> dict[str, Any]:
         """The planner's counts: :attr:`plan_kinds`, :attr:`hint_rows`, the mean host
@@ -862,11 +856,7 @@ class StepPlanner:
         if self._hint_run is not None:
             last_key, last_lens, steps = self._hint_run
             steps += 1
-            if (
-                last_key == key
-                and steps < HINT_REFRESH_STEPS
-                and np.array_equal(lens, last_lens + steps)
-            ):
+            if _continues(last_key, last_lens, steps, key, lens):
                 self._hint_run = (last_key, last_lens, steps)
                 return True
         self._hint_run = (key, lens, 0)
