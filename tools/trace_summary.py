@@ -22,7 +22,9 @@ the batch's block table to the host, which waits for the work queued before it) 
   FlashAttention and SGLang's Triton attention, by name, ``ATTENTION``) and the rest of the
   step (``rest_ms_per_step``: median step minus attention), and the host
   events that overlap the GPU's idle gaps inside them (per step, by name,
-  longest first): what the host was doing while the GPU waited.
+  longest first): what the host was doing while the GPU waited; and ``step_kinds``: the
+  same steps, all of them, by kind (one CUDA graph launch, several, none), with their host
+  time and the device time of the kernels they launched (attention and the rest).
 
     python -m tools.trace_summary TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
 """
@@ -30,6 +32,7 @@ the batch's block table to the host, which waits for the work queued before it) 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import itertools
 import json
@@ -212,11 +215,74 @@ def steps_summary(
     }
 
 
+def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
+    """Every step between consecutive starts of ``marker`` (a host event), by kind: ``graph``
+    (one CUDA graph launch: a whole-step graph), ``piecewise`` (several: graphs between eager
+    attention, as in vLLM's mixed steps) or ``eager`` (none). Kernels belong to the step whose
+    host span holds their launch (matched by the profiler's correlation id), so the GPU's lag
+    behind the host does not move them into the next step. Per kind: steps, host time (sum and
+    median of the spans), and the device time of the step's kernels, attention and the rest.
+    The sums over the kinds account for the traced window between the first and the last
+    marker."""
+    starts = sorted(float(e["ts"]) for e in events
+                    if e.get("name") == marker and e.get("cat") not in GPU_CATS)  # fmt: skip
+    spans = list(itertools.pairwise(starts))
+    if not spans:
+        return {"marker": marker, "steps": 0, "kinds": {}}
+    edges = [a for a, _ in spans]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect.bisect_right(edges, ts) - 1
+        return i if 0 <= i < len(spans) and ts < spans[i][1] else None
+
+    launches = [0] * len(spans)
+    launch_ts: dict[Any, float] = {}
+    for e in events:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            launch_ts[corr] = float(e["ts"])
+        if e.get("name") in ("cudaGraphLaunch", "cuGraphLaunch"):
+            i = step_of(float(e["ts"]))
+            if i is not None:
+                launches[i] += 1
+    attention = [0.0] * len(spans)
+    other = [0.0] * len(spans)
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        ts = launch_ts.get((e.get("args") or {}).get("correlation"))
+        i = step_of(ts) if ts is not None else None
+        if i is None:
+            continue
+        if is_attention(str(e["name"])):
+            attention[i] += float(e["dur"])
+        else:
+            other[i] += float(e["dur"])
+    groups: dict[str, list[int]] = {}
+    for i, n in enumerate(launches):
+        kind = "eager" if n == 0 else "graph" if n == 1 else "piecewise"
+        groups.setdefault(kind, []).append(i)
+    kinds = {}
+    for kind, idx in sorted(groups.items()):
+        lengths = sorted(spans[i][1] - spans[i][0] for i in idx)
+        kinds[kind] = {
+            "steps": len(idx),
+            "host_ms": round(sum(lengths) / 1e3, 3),
+            "median_ms": round(lengths[len(lengths) // 2] / 1e3, 3),
+            "attention_ms": round(sum(attention[i] for i in idx) / 1e3, 3),
+            "other_kernels_ms": round(sum(other[i] for i in idx) / 1e3, 3),
+        }
+    return {"marker": marker, "steps": len(spans),
+            "window_ms": round((starts[-1] - starts[0]) / 1e3, 3), "kinds": kinds}
+
+
 def summarize_traces(
     folder: Path, gap_us: float = 50.0, step_marker: str | None = None
 ) -> dict[str, dict]:
-    """Summaries of every trace file below ``folder``, by relative path (with ``steps`` when
-    ``step_marker`` is given)."""
+    """Summaries of every trace file below ``folder``, by relative path (with ``steps`` and
+    ``step_kinds`` when ``step_marker`` is given)."""
     files = sorted(p for p in folder.rglob("*") if p.name.endswith((".json", ".json.gz")))
     out = {}
     for p in files:
@@ -226,6 +292,7 @@ def summarize_traces(
             out[key] = summarize(events, gap_us)
             if step_marker:
                 out[key]["steps"] = steps_summary(events, step_marker, gap_us)
+                out[key]["step_kinds"] = step_kinds(events, step_marker)
         except (OSError, ValueError, KeyError) as e:
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -243,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         result[str(p)] = summarize(events, args.gap_us)
         if args.step_marker:
             result[str(p)]["steps"] = steps_summary(events, args.step_marker, args.gap_us)
+            result[str(p)]["step_kinds"] = step_kinds(events, args.step_marker)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -614,3 +614,24 @@ def test_planner_counts_from_a_worker_log(tmp_path) -> None:
     log.write_text("no counts here\n")
     assert bench.planner_counts(log) is None
     assert bench.planner_counts(tmp_path / "missing.log") is None
+
+
+def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
+    """A profiled run's engines start each step with the range its summary splits steps by:
+    vLLM's own scopes switched on, SGLang's from the step-marker plugin, which the bound's
+    plugin keeps beside it. Unprofiled runs get neither."""
+    vargs = bench.parse_args(["--engine", "vllm", "--profile", str(tmp_path / "p")])
+    assert bench.worker_env(vargs, "prefixattn", tmp_path)["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
+    assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in bench.worker_env(
+        bench.parse_args(["--engine", "vllm"]), "prefixattn", tmp_path)
+    sargs = bench.parse_args(["--engine", "sglang", "--profile", str(tmp_path / "p")])
+    env = bench.worker_env(sargs, "bound", tmp_path / "b")
+    path = env["PYTHONPATH"].split(os.pathsep)
+    assert str(tmp_path / "b" / "stepmark") in path and str(tmp_path / "b" / "noattn-plugin") in path
+    entry = (tmp_path / "b" / "stepmark" / "prefixattn-bench-stepmark-0.0.dist-info"
+             / "entry_points.txt").read_text()
+    assert "tools.sglang.stepmark:register" in entry
+    assert "PYTHONPATH" not in bench.worker_env(
+        bench.parse_args(["--engine", "sglang"]), "triton", tmp_path / "c")
+    assert bench.STEP_MARKER == {"vllm": "gpu_model_runner: preprocess",
+                                 "sglang": "sglang.forward"}

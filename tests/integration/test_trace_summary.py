@@ -123,3 +123,46 @@ def test_cut_off_trace_is_an_error_entry(ts, tmp_path: Path) -> None:
     assert "not a complete trace" in out["a/cut.json.gz"]["error"]
     assert "not a complete trace" in out["a/bad.json.gz"]["error"]
     assert out["a/ok.json.gz"]["gpu_busy_ms"] == pytest.approx(0.59)
+
+
+def _launch(name: str, ts: float, corr: int) -> dict:
+    return {**_ev(name, "cuda_runtime", ts, 5), "args": {"correlation": corr}}
+
+
+def _kernel(name: str, ts: float, dur: float, corr: int) -> dict:
+    return {**_ev(name, "kernel", ts, dur), "args": {"correlation": corr}}
+
+
+def test_step_kinds_split_steps_by_graph_launches_and_own_their_kernels(ts) -> None:
+    # Three steps starting at 0, 1000 and 2000 (the marker at 3000 closes the third): one
+    # whole-step graph, one piecewise step (two graph launches around an eager attention
+    # kernel), one eager step. The first step's graph runs on the GPU after the second step's
+    # marker: its kernels still belong to the first step, whose host span launched them.
+    trace = [
+        _ev("step", "user_annotation", 0, 50),
+        _ev("step", "user_annotation", 1000, 50),
+        _ev("step", "user_annotation", 2000, 50),
+        _ev("step", "user_annotation", 3000, 50),
+        _launch("cudaGraphLaunch", 100, 1),
+        _kernel("prefixattn::forward_leaf_kernel", 1100, 40, 1),
+        _kernel("gemm", 1150, 60, 1),
+        _launch("cudaGraphLaunch", 1100, 2),
+        _launch("cudaLaunchKernel", 1200, 3),
+        _launch("cudaGraphLaunch", 1300, 4),
+        _kernel("gemm", 1400, 30, 2),
+        _kernel("flash_fwd_kernel", 1450, 20, 3),
+        _kernel("gemm", 1500, 30, 4),
+        _launch("cudaLaunchKernel", 2100, 5),
+        _kernel("_fwd_kernel_stage1", 2200, 70, 5),
+        _kernel("orphan", 2300, 10, 99),  # no launch in the trace: no step
+    ]
+    s = ts.step_kinds(trace, "step")
+    assert s["steps"] == 3 and s["window_ms"] == 3.0
+    graph, piecewise, eager = (s["kinds"][k] for k in ("graph", "piecewise", "eager"))
+    assert graph == {"steps": 1, "host_ms": 1.0, "median_ms": 1.0, "attention_ms": 0.04,
+                     "other_kernels_ms": 0.06}
+    assert piecewise["steps"] == 1 and piecewise["attention_ms"] == 0.02
+    assert piecewise["other_kernels_ms"] == 0.06
+    assert eager["attention_ms"] == 0.07 and eager["other_kernels_ms"] == 0.0
+    assert sum(k["host_ms"] for k in s["kinds"].values()) == s["window_ms"]
+    assert ts.step_kinds(trace, "absent") == {"marker": "absent", "steps": 0, "kinds": {}}

@@ -74,6 +74,9 @@ from tools.proc_group import run_in_group
 from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
 from tools.variants import check_variants
 
+# The host event that starts each engine step in a profile: vLLM's model-runner range (named
+# with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), SGLang's from tools/sglang/stepmark.py.
+STEP_MARKER = {"vllm": "gpu_model_runner: preprocess", "sglang": "sglang.forward"}
 BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
     "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
@@ -177,12 +180,18 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         # FlashInfer's sampler needs a JIT build of minutes without its precompiled kernels;
         # vLLM's PyTorch sampler serves every backend alike.
         env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        if args.profile is not None:  # vLLM's named ranges, one of which starts each step
+            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         if args.mode == "offline":
             return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     from tools.sglang.core_options import engine_env
 
     full = engine_env(backend, scratch, bound=backend == BOUND) or {}
+    if args.profile is not None:
+        from tools.sglang.stepmark import plugin_env
+
+        full = plugin_env(scratch / "stepmark", full or None)
     return {k: v for k, v in full.items() if os.environ.get(k) != v}
 
 
@@ -386,7 +395,8 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
     if args.profile is not None and (args.profile / backend).exists():
         from tools.trace_summary import summarize_traces
 
-        data["profile"] = summarize_traces(args.profile / backend)
+        data["profile"] = summarize_traces(args.profile / backend,
+                                           step_marker=STEP_MARKER[args.engine])
     data.setdefault("finished", False)
     if code != 0 and not data["finished"]:
         tail = log.read_text(errors="replace").strip().splitlines()[-20:]
