@@ -36,6 +36,7 @@ import bisect
 import gzip
 import itertools
 import json
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -141,56 +142,69 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) 
     }
 
 
-def _overlap(iv: list[tuple[float, float]], start: float, end: float) -> float:
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in iv)
-
-
 def steps_summary(
     events: list[dict[str, Any]], marker: str, gap_us: float = 50.0, top: int = 24
 ) -> dict[str, Any]:
-    """Steady steps between starts of ``marker``: median length, GPU busy and idle, and the
-    host events overlapping the idle gaps (ms per step, by ``cat/name``)."""
-    starts = sorted(float(e["ts"]) for e in events
-                    if e.get("name") == marker and e.get("cat") not in GPU_CATS)  # fmt: skip
+    """Steady steps between starts of ``marker`` (a host event whose name starts with it):
+    median length, GPU busy and idle, and the host events overlapping the idle gaps (ms per
+    step, by ``cat/name``). Linear in the events, up to logarithms: a whole serving run's trace
+    (millions of events) is summarised in seconds."""
+    starts = _marker_starts(events, marker)
     spans = list(itertools.pairwise(starts))
     if not spans:
         return {"marker": marker, "count": 0}
     lengths = sorted(b - a for a, b in spans)
     median = lengths[len(lengths) // 2]
     steady = [(a, b) for a, b in spans if b - a <= 2 * median]
+    steady_starts = [a for a, _ in steady]
     gpu = _union(
         [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
          if e.get("cat") in GPU_CATS]
     )  # fmt: skip
-    host: dict[str, list[tuple[float, float]]] = {}
-    for e in events:
-        if e.get("cat") in HOST_CATS:
-            key = f"{e['cat']}/{e['name']}"
-            host.setdefault(key, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    busy, idle = [], []
-    during_idle: dict[str, float] = {}
+    gpu_starts = [a for a, _ in gpu]
     kernels: dict[str, float] = {}
     attention = 0.0
     for e in events:
         if e.get("cat") == "kernel":
             s0 = float(e["ts"])
-            if any(a <= s0 < b for a, b in steady):
+            i = bisect.bisect_right(steady_starts, s0) - 1
+            if i >= 0 and s0 < steady[i][1]:
                 name = str(e["name"])[:80]
                 kernels[name] = kernels.get(name, 0.0) + float(e["dur"])
                 if is_attention(str(e["name"])):
                     attention += float(e["dur"])
+    busy, idle = [], []
+    gaps: list[tuple[float, float]] = []  # the steps' idle intervals over gap_us, in order
     for a, b in steady:
-        inside = [(max(a, s), min(b, e)) for s, e in gpu if e > a and s < b]
+        first = max(0, bisect.bisect_right(gpu_starts, a) - 1)
+        inside = []
+        for s, e in gpu[first:]:
+            if s >= b:
+                break
+            if e > a:
+                inside.append((max(a, s), min(b, e)))
         step_busy = sum(e - s for s, e in inside)
         busy.append(step_busy)
         idle.append((b - a) - step_busy)
         edges = [a, *[x for iv in inside for x in iv], b]
-        for lo, hi in zip(edges[::2], edges[1::2], strict=True):
-            if hi - lo > gap_us:
-                for key, iv in host.items():
-                    us = _overlap(iv, lo, hi)
-                    if us > 0:
-                        during_idle[key] = during_idle.get(key, 0.0) + us
+        gaps += [(lo, hi) for lo, hi in zip(edges[::2], edges[1::2], strict=True)
+                 if hi - lo > gap_us]  # fmt: skip
+    # Idle time before t: prefix sums over the sorted, disjoint gaps.
+    gap_starts = [lo for lo, _ in gaps]
+    before = list(itertools.accumulate((hi - lo for lo, hi in gaps), initial=0.0))
+
+    def idle_before(t: float) -> float:
+        i = bisect.bisect_right(gap_starts, t) - 1
+        return 0.0 if i < 0 else before[i] + min(t, gaps[i][1]) - gaps[i][0]
+
+    during_idle: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") in HOST_CATS:
+            t0 = float(e["ts"])
+            us = idle_before(t0 + float(e["dur"])) - idle_before(t0)
+            if us > 0:
+                key = f"{e['cat']}/{e['name']}"
+                during_idle[key] = during_idle.get(key, 0.0) + us
     n = len(steady)
 
     def med(xs: list[float]) -> float:
@@ -215,21 +229,36 @@ def steps_summary(
     }
 
 
+def _marker_starts(events: list[dict[str, Any]], marker: str) -> list[float]:
+    """Start times of the host events whose names start with ``marker``, in order."""
+    return sorted(float(e["ts"]) for e in events
+                  if str(e.get("name", "")).startswith(marker)
+                  and e.get("cat") not in GPU_CATS and e.get("cat") != "gpu_user_annotation")  # fmt: skip
+
+
+# vLLM's per-step profiler range (its worker's annotate_profile): requests and tokens of the
+# step's prefill chunks ("context") and decodes ("generation").
+VLLM_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+
+
 def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
-    """Every step between consecutive starts of ``marker`` (a host event), by kind: ``graph``
-    (one CUDA graph launch: a whole-step graph), ``piecewise`` (several: graphs between eager
-    attention, as in vLLM's mixed steps) or ``eager`` (none). Kernels belong to the step whose
-    host span holds their launch (matched by the profiler's correlation id), so the GPU's lag
-    behind the host does not move them into the next step. Per kind: steps, host time (sum and
-    median of the spans), and the device time of the step's kernels, attention and the rest.
-    The sums over the kinds account for the traced window between the first and the last
-    marker."""
-    starts = sorted(float(e["ts"]) for e in events
-                    if e.get("name") == marker and e.get("cat") not in GPU_CATS)  # fmt: skip
-    spans = list(itertools.pairwise(starts))
+    """Every step between consecutive starts of ``marker`` (a host event whose name starts
+    with it), by kind. With vLLM's step range (``execute_context_``, :data:`VLLM_STEP`) the
+    kind is what the step ran: ``decode`` (decodes only), ``prefill`` (prefill chunks only)
+    or ``mixed``, with the prefill tokens and decode requests summed; otherwise it is how
+    the step launched its work: ``graph`` (one CUDA graph launch), ``piecewise`` (several) or
+    ``eager`` (none). Kernels belong to the step whose host span holds their launch (matched
+    by the profiler's correlation id), so the GPU's lag behind the host does not move them
+    into the next step. Per kind: steps, CUDA graph launches, host time (sum and median of
+    the spans) and the device time of the step's kernels, attention and the rest. The sums
+    over the kinds account for the traced window between the first and the last marker."""
+    marks = sorted((float(e["ts"]), str(e["name"])) for e in events
+                   if str(e.get("name", "")).startswith(marker)
+                   and e.get("cat") not in GPU_CATS and e.get("cat") != "gpu_user_annotation")  # fmt: skip
+    spans = [(a, b, name) for (a, name), (b, _) in itertools.pairwise(marks)]
     if not spans:
         return {"marker": marker, "steps": 0, "kinds": {}}
-    edges = [a for a, _ in spans]
+    edges = [a for a, _, _ in spans]
 
     def step_of(ts: float) -> int | None:
         i = bisect.bisect_right(edges, ts) - 1
@@ -243,7 +272,7 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
         corr = (e.get("args") or {}).get("correlation")
         if corr is not None:
             launch_ts[corr] = float(e["ts"])
-        if e.get("name") in ("cudaGraphLaunch", "cuGraphLaunch"):
+        if str(e.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch")):
             i = step_of(float(e["ts"]))
             if i is not None:
                 launches[i] += 1
@@ -261,21 +290,38 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
         else:
             other[i] += float(e["dur"])
     groups: dict[str, list[int]] = {}
-    for i, n in enumerate(launches):
-        kind = "eager" if n == 0 else "graph" if n == 1 else "piecewise"
+    prefill_tokens: dict[str, int] = {}
+    decodes: dict[str, int] = {}
+    for i, (_, _, name) in enumerate(spans):
+        m = VLLM_STEP.match(name)
+        if m:
+            ctx, ctx_tokens, gen = int(m[1]), int(m[2]), int(m[3])
+            kind = "decode" if ctx == 0 else "prefill" if gen == 0 else "mixed"
+            prefill_tokens[kind] = prefill_tokens.get(kind, 0) + ctx_tokens
+            decodes[kind] = decodes.get(kind, 0) + gen
+        else:
+            n = launches[i]
+            kind = "eager" if n == 0 else "graph" if n == 1 else "piecewise"
         groups.setdefault(kind, []).append(i)
-    kinds = {}
+    kinds: dict[str, dict[str, Any]] = {}
     for kind, idx in sorted(groups.items()):
         lengths = sorted(spans[i][1] - spans[i][0] for i in idx)
         kinds[kind] = {
             "steps": len(idx),
+            "graph_launches": sum(launches[i] for i in idx),
             "host_ms": round(sum(lengths) / 1e3, 3),
             "median_ms": round(lengths[len(lengths) // 2] / 1e3, 3),
             "attention_ms": round(sum(attention[i] for i in idx) / 1e3, 3),
             "other_kernels_ms": round(sum(other[i] for i in idx) / 1e3, 3),
         }
-    return {"marker": marker, "steps": len(spans),
-            "window_ms": round((starts[-1] - starts[0]) / 1e3, 3), "kinds": kinds}
+        if kind in prefill_tokens:
+            kinds[kind].update(prefill_tokens=prefill_tokens[kind], decodes=decodes[kind])
+    return {
+        "marker": marker,
+        "steps": len(spans),
+        "window_ms": round((marks[-1][0] - marks[0][0]) / 1e3, 3),
+        "kinds": kinds,
+    }
 
 
 def summarize_traces(

@@ -617,21 +617,26 @@ def test_planner_counts_from_a_worker_log(tmp_path) -> None:
 
 
 def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
-    """A profiled run's engines start each step with the range its summary splits steps by:
-    vLLM's own scopes switched on, SGLang's from the step-marker plugin, which the bound's
-    plugin keeps beside it. Unprofiled runs get neither."""
+    """A profiled SGLang run's engines start each step with the range its summary splits
+    steps by (the step-marker plugin, kept beside the bound's plugin, and found under its own
+    distribution name: a name that parsed as ``prefixattn`` hid the real package's entry
+    point). vLLM names its profiled steps itself: its workers' environment is unchanged."""
+    from importlib.metadata import distributions
+
     vargs = bench.parse_args(["--engine", "vllm", "--profile", str(tmp_path / "p")])
-    assert bench.worker_env(vargs, "prefixattn", tmp_path)["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
-    assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in bench.worker_env(
-        bench.parse_args(["--engine", "vllm"]), "prefixattn", tmp_path)
+    assert bench.worker_env(vargs, "prefixattn", tmp_path) == bench.worker_env(
+        bench.parse_args(["--engine", "vllm"]), "prefixattn", tmp_path
+    )
     sargs = bench.parse_args(["--engine", "sglang", "--profile", str(tmp_path / "p")])
     env = bench.worker_env(sargs, "bound", tmp_path / "b")
     path = env["PYTHONPATH"].split(os.pathsep)
-    assert str(tmp_path / "b" / "stepmark") in path and str(tmp_path / "b" / "noattn-plugin") in path
-    entry = (tmp_path / "b" / "stepmark" / "prefixattn-bench-stepmark-0.0.dist-info"
-             / "entry_points.txt").read_text()
-    assert "tools.sglang.stepmark:register" in entry
+    folder = tmp_path / "b" / "stepmark"
+    assert str(folder) in path and str(tmp_path / "b" / "noattn-plugin") in path
+    (dist,) = distributions(path=[str(folder)])
+    assert dist.metadata["Name"] == dist.name == "prefixattn_bench_stepmark"
+    (ep,) = dist.entry_points
+    assert (ep.group, ep.value) == ("sglang.srt.plugins", "tools.sglang.stepmark:register")
     assert "PYTHONPATH" not in bench.worker_env(
-        bench.parse_args(["--engine", "sglang"]), "triton", tmp_path / "c")
-    assert bench.STEP_MARKER == {"vllm": "gpu_model_runner: preprocess",
-                                 "sglang": "sglang.forward"}
+        bench.parse_args(["--engine", "sglang"]), "triton", tmp_path / "c"
+    )
+    assert bench.STEP_MARKER == {"vllm": "execute_context_", "sglang": "sglang.forward"}

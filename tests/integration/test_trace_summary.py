@@ -159,10 +159,65 @@ def test_step_kinds_split_steps_by_graph_launches_and_own_their_kernels(ts) -> N
     s = ts.step_kinds(trace, "step")
     assert s["steps"] == 3 and s["window_ms"] == 3.0
     graph, piecewise, eager = (s["kinds"][k] for k in ("graph", "piecewise", "eager"))
-    assert graph == {"steps": 1, "host_ms": 1.0, "median_ms": 1.0, "attention_ms": 0.04,
-                     "other_kernels_ms": 0.06}
+    assert graph == {
+        "steps": 1,
+        "graph_launches": 1,
+        "host_ms": 1.0,
+        "median_ms": 1.0,
+        "attention_ms": 0.04,
+        "other_kernels_ms": 0.06,
+    }
     assert piecewise["steps"] == 1 and piecewise["attention_ms"] == 0.02
+    assert piecewise["graph_launches"] == 2 and eager["graph_launches"] == 0
     assert piecewise["other_kernels_ms"] == 0.06
     assert eager["attention_ms"] == 0.07 and eager["other_kernels_ms"] == 0.0
     assert sum(k["host_ms"] for k in s["kinds"].values()) == s["window_ms"]
     assert ts.step_kinds(trace, "absent") == {"marker": "absent", "steps": 0, "kinds": {}}
+
+
+def test_step_kinds_read_vllms_step_ranges(ts) -> None:
+    """vLLM names each profiled step by its prefill chunks and decodes: the kinds are what
+    the steps ran, and the GPU's copy of the range (gpu_user_annotation) is not a step."""
+    names = [
+        "execute_context_2(700)_generation_254(254)",
+        "execute_context_0(0)_generation_256(256)",
+        "execute_context_0(0)_generation_256(256)",
+        "execute_context_3(16384)_generation_0(0)",
+        "execute_context_0(0)_generation_255(255)",
+    ]
+    trace = [_ev(n, "user_annotation", 1000 * i, 50) for i, n in enumerate(names)]
+    trace += [_ev(n, "gpu_user_annotation", 1000 * i + 300, 500) for i, n in enumerate(names)]
+    trace += [_launch("cudaGraphLaunch", 1100, 1), _launch("cudaGraphLaunch", 2100, 2)]
+    s = ts.step_kinds(trace, "execute_context_")
+    assert s["steps"] == 4 and s["window_ms"] == 4.0
+    assert s["kinds"]["decode"] == {
+        "steps": 2,
+        "graph_launches": 2,
+        "host_ms": 2.0,
+        "median_ms": 1.0,
+        "attention_ms": 0.0,
+        "other_kernels_ms": 0.0,
+        "prefill_tokens": 0,
+        "decodes": 512,
+    }
+    assert s["kinds"]["mixed"]["prefill_tokens"] == 700 and s["kinds"]["mixed"]["decodes"] == 254
+    assert s["kinds"]["prefill"]["steps"] == 1 and s["kinds"]["prefill"]["decodes"] == 0
+    assert ts.steps_summary(trace, "execute_context_")["count"] == 4
+
+
+def test_steps_summary_of_a_long_trace(ts) -> None:
+    """A serving run's trace: 2,000 steps, each with 100 kernels and 100 host events (the
+    summary is linear in the events; a quadratic one took minutes on such traces)."""
+    trace = []
+    for step in range(2000):
+        t = step * 10_000.0
+        trace.append(_ev("step", "user_annotation", t, 10))
+        for k in range(100):
+            trace.append(_ev("gemm", "kernel", t + 2000 + k * 60, 50))
+            trace.append(_ev("cudaLaunchKernel", "cuda_runtime", t + k * 90, 5))
+    s = ts.steps_summary(trace, "step")
+    assert s["count"] == 1999 and s["gpu_busy_ms"] == 5.0  # 100 kernels of 50 us a step
+    # The idle gaps: 2,000 us before each step's kernels and 2,010 after them; 23 launches
+    # of 5 us fall in the first, 11 in the second.
+    assert s["gpu_idle_ms"] == 5.0
+    assert s["host_during_idle_ms_per_step"]["cuda_runtime/cudaLaunchKernel"] == 0.17

@@ -74,9 +74,10 @@ from tools.proc_group import run_in_group
 from tools.serving.workloads import WORKLOADS, build, expand_names, parse_sizes
 from tools.variants import check_variants
 
-# The host event that starts each engine step in a profile: vLLM's model-runner range (named
-# with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), SGLang's from tools/sglang/stepmark.py.
-STEP_MARKER = {"vllm": "gpu_model_runner: preprocess", "sglang": "sglang.forward"}
+# The start of the host range each engine step opens in a profile: vLLM's worker names every
+# profiled step by its prefill chunks and decodes ("execute_context_2(700)_generation_254(254)");
+# SGLang's comes from tools/sglang/stepmark.py.
+STEP_MARKER = {"vllm": "execute_context_", "sglang": "sglang.forward"}
 BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
     "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
@@ -180,8 +181,6 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         # FlashInfer's sampler needs a JIT build of minutes without its precompiled kernels;
         # vLLM's PyTorch sampler serves every backend alike.
         env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
-        if args.profile is not None:  # vLLM's named ranges, one of which starts each step
-            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         if args.mode == "offline":
             return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
@@ -395,8 +394,9 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
     if args.profile is not None and (args.profile / backend).exists():
         from tools.trace_summary import summarize_traces
 
-        data["profile"] = summarize_traces(args.profile / backend,
-                                           step_marker=STEP_MARKER[args.engine])
+        data["profile"] = summarize_traces(
+            args.profile / backend, step_marker=STEP_MARKER[args.engine]
+        )
     data.setdefault("finished", False)
     if code != 0 and not data["finished"]:
         tail = log.read_text(errors="replace").strip().splitlines()[-20:]

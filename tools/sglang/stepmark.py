@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "sglang.forward"
-DIST = "prefixattn-bench-stepmark"
+# Underscores: a distribution folder named "prefixattn-bench-stepmark-0.0.dist-info" parses
+# as the distribution "prefixattn", which then hides the installed package's entry point.
+DIST = "prefixattn_bench_stepmark"
 
 
 def register() -> None:
