@@ -15,13 +15,16 @@ on) joins. Rows move as the engine moves them:
 
 With ``--extend`` (SGLang's steps), the new requests of a step are first prefilled in a
 step of their own (their user tokens; the shared prefix is cached), as SGLang runs extend
-batches apart from decode batches.
+batches apart from decode batches. With ``--mixed`` (vLLM's steps), they are prefilled in
+the step they join, after the decodes, as vLLM runs mixed prefill and decode steps.
 
-It prints the plan kinds of the decode steps (``hinted-fallback``: the check failed;
-``unshared``: planned without the sharing), those of the extend steps, and the planner's
-counts.
+It prints the plan kinds of the decode (or mixed) steps (``hinted-fallback``: the check
+failed; ``unshared``: planned without the sharing), those of the extend steps, and the
+planner's counts (``host_ms_per_plan``: the mean host time of a planning call by kind, on
+this machine's one core).
 
     python benchmarks/hint_fallbacks.py --order sglang --steps 120 --extend
+    python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed
 """
 
 from __future__ import annotations
@@ -84,12 +87,12 @@ def _step(
     qo_indptr: np.ndarray | None,
     extra: dict[str, Any],
 ) -> str:
-    """Plan one step of ``rows`` (decode when ``qo_indptr`` is None, else the new requests'
-    prefills alone, as SGLang's extend batches); its plan kind."""
-    if qo_indptr is not None:
-        extra = {**extra, "prefill_only": True}
+    """Plan one step of ``rows`` (decode when ``qo_indptr`` is None; else with those query
+    tokens per row: the new requests' prefills alone, as SGLang's extend batches, with
+    ``prefill_only`` in ``extra``, or vLLM's mixed steps); its plan kind."""
     table, lens = _table(rows, page_size)
-    choice = planner.choose(len(rows), decode=qo_indptr is None)
+    decode = qo_indptr is None or int(np.diff(qo_indptr).max()) <= 1
+    choice = planner.choose(len(rows), decode=decode)
     attention = planner.attention_for(graph=False)
     if choice.device_table:
         plan = planner.plan_device(
@@ -105,7 +108,13 @@ def _step(
 
 
 def run(
-    order: str, steps: int, requests: int, page_size: int, seed: int, extend: bool = False
+    order: str,
+    steps: int,
+    requests: int,
+    page_size: int,
+    seed: int,
+    extend: bool = False,
+    mixed: bool = False,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     model = Requests(rng, page_size)
@@ -130,18 +139,25 @@ def run(
         if extend and new:
             # The new requests' prefill, apart: their user tokens on the cached prefix.
             indptr = np.concatenate([[0], np.cumsum([r[4] for r in new])]).astype(np.int32)
-            kind = _step(planner, new, page_size, indptr, {})
+            kind = _step(planner, new, page_size, indptr, {"prefill_only": True})
             extend_kinds[kind] = extend_kinds.get(kind, 0) + 1
+        decoding = len(rows)
         rows += new
-        for r in rows:
+        for r in rows[:decoding] if mixed else rows:
             r[1] += 1
             r[2] -= 1
         # Request ids only where the engine gives them (and so a build without them runs too).
         extra: dict[str, Any] = {"ids": np.array([r[3] for r in rows])} if order == "vllm" else {}
-        kind = _step(planner, rows, page_size, None, extra)
+        indptr = None
+        if mixed and new:  # the decodes' one token each, then the new requests' prompts
+            q = [1] * decoding + [r[4] for r in new]
+            indptr = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        kind = _step(planner, rows, page_size, indptr, extra)
+        if mixed:  # the prompt's last token was the new requests' first output
+            for r in new:
+                r[2] -= 1
         kinds[kind] = kinds.get(kind, 0) + 1
-    counts = getattr(planner, "hint_rows", None)  # builds before the counts have none
-    out = {"order": order, "steps": steps, "kinds": kinds, "hint_rows": counts}
+    out = {"order": order, "steps": steps, "kinds": kinds, "counts": planner.counts()}
     if extend:
         out["extend_kinds"] = extend_kinds
     return out
@@ -156,10 +172,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--extend", action="store_true",
                     help="prefill new requests in steps of their own first (SGLang)")  # fmt: skip
+    ap.add_argument("--mixed", action="store_true",
+                    help="prefill new requests in the step they join, after the decodes "
+                         "(vLLM)")  # fmt: skip
     args = ap.parse_args()
+    if args.extend and args.mixed:
+        ap.error("--extend and --mixed are two engines' ways to prefill: choose one")
     if args.steps < 1 or args.requests < 1 or not 1 <= args.page_size <= 128:
         ap.error("--steps and --requests must be positive, --page-size in 1..128")
-    out = run(args.order, args.steps, args.requests, args.page_size, args.seed, args.extend)
+    out = run(
+        args.order, args.steps, args.requests, args.page_size, args.seed, args.extend, args.mixed
+    )
     print(json.dumps(out))
 
 

@@ -624,7 +624,7 @@ def test_hint_fallback_model() -> None:
     spec.loader.exec_module(module)
     by_ids = module.run("vllm", 40, 64, 16, 0)
     assert by_ids["kinds"].get("hinted-fallback", 0) == 0
-    assert sum(by_ids["kinds"].values()) == 40 and by_ids["hint_rows"]["moved"] > 0
+    assert sum(by_ids["kinds"].values()) == 40 and by_ids["counts"]["hint_rows"]["moved"] > 0
     for order in ("sglang", "vllm-v1"):
         by_lens = module.run(order, 40, 64, 16, 0)
         assert by_lens["kinds"].get("hinted-fallback", 0) <= 2, by_lens
@@ -634,6 +634,10 @@ def test_hint_fallback_model() -> None:
     extend = module.run("sglang", 40, 64, 16, 0, True)
     assert extend["extend_kinds"] and "unshared" not in extend["kinds"], extend
     assert extend["kinds"].get("hinted", 0) >= 37
+    # vLLM's mixed steps (new requests prefilled beside the decodes) are hinted too.
+    mixed = module.run("vllm", 40, 64, 16, 0, mixed=True)
+    assert mixed["kinds"].get("hinted-fallback", 0) == 0 and mixed["kinds"]["hinted"] >= 37
+    assert mixed["counts"]["hint_rows"]["unknown"] > 0  # the newcomers, planned private
 
 
 def test_a_run_after_its_batch_changed_keeps_advancing(advances: dict[str, int]) -> None:
