@@ -138,8 +138,8 @@ def run(
             new.append(model.new())
         if extend and new:
             # The new requests' prefill, apart: their user tokens on the cached prefix.
-            indptr = np.concatenate([[0], np.cumsum([r[4] for r in new])]).astype(np.int32)
-            kind = _step(planner, new, page_size, indptr, {"prefill_only": True})
+            starts = np.concatenate([[0], np.cumsum([r[4] for r in new])]).astype(np.int32)
+            kind = _step(planner, new, page_size, starts, {"prefill_only": True})
             extend_kinds[kind] = extend_kinds.get(kind, 0) + 1
         decoding = len(rows)
         rows += new
@@ -148,7 +148,7 @@ def run(
             r[2] -= 1
         # Request ids only where the engine gives them (and so a build without them runs too).
         extra: dict[str, Any] = {"ids": np.array([r[3] for r in rows])} if order == "vllm" else {}
-        indptr = None
+        indptr: np.ndarray | None = None
         if mixed and new:  # the decodes' one token each, then the new requests' prompts
             q = [1] * decoding + [r[4] for r in new]
             indptr = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)

@@ -178,12 +178,12 @@ def steps_summary(
     for a, b in steady:
         first = max(0, bisect.bisect_right(gpu_starts, a) - 1)
         inside = []
-        for s, e in gpu[first:]:
-            if s >= b:
+        for lo, hi in gpu[first:]:
+            if lo >= b:
                 break
-            if e > a:
-                inside.append((max(a, s), min(b, e)))
-        step_busy = sum(e - s for s, e in inside)
+            if hi > a:
+                inside.append((max(a, lo), min(b, hi)))
+        step_busy = sum(hi - lo for lo, hi in inside)
         busy.append(step_busy)
         idle.append((b - a) - step_busy)
         edges = [a, *[x for iv in inside for x in iv], b]

@@ -8,7 +8,9 @@ prefix caching on, the engine's default CUDA graphs. Workloads are in
 Backends (``--backends``, default all of the engine's):
 
 - vLLM: ``prefixattn`` (``attention_backend="CUSTOM"``, the installed plugin), ``FLASH_ATTN``,
-  ``FLASHINFER``, ``bound`` (``tools/vllm/noattn.py``, registered as ``NOATTN``);
+  ``FLASHINFER``, ``bound`` (``tools/vllm/noattn.py``, registered as ``NOATTN``), and, only
+  when named, ``readfloor`` (``KVFLOOR``: the bound plus each step's distinct KV read once
+  per layer, ``tools/kv_floor.py``; the most an exact attention backend can reach);
 - SGLang: ``prefixattn``, ``fa3``, ``triton``, ``flashinfer``, ``bound``
   (``tools/sglang/noattn.py``, ``noattn``, reaching the scheduler through a plugin entry point
   put on the bound engine's ``PYTHONPATH`` only).
@@ -82,6 +84,9 @@ BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
     "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
 }
+FLOORS = {"vllm": ("readfloor",), "sglang": ()}
+"""Backends run only when named: the bound plus the step's distinct KV read once per layer
+(``tools/kv_floor.py``), the most any exact attention backend can reach on the same traffic."""
 BOUND = "bound"
 METRIC = "output_tok_s"
 PREFLIGHT = {
@@ -100,7 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine", choices=sorted(BACKENDS), required=True)
     ap.add_argument("--backends", nargs="+", metavar="BACKEND",
                     help="vllm: " + " ".join(BACKENDS["vllm"]) + "; sglang: "
-                         + " ".join(BACKENDS["sglang"]) + " (default: all; the bound runs "
+                         + " ".join(BACKENDS["sglang"]) + "; vllm's readfloor (the bound plus "
+                         "the distinct KV read) only when named (default: all the others; "
+                         "the bound runs "
                          "first)")  # fmt: skip
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--size", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
@@ -133,8 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    known = BACKENDS[args.engine]
-    args.backends = args.backends or list(known)
+    known = BACKENDS[args.engine] + FLOORS[args.engine]
+    args.backends = args.backends or list(BACKENDS[args.engine])
     bases = check_variants(ap, args.backends, ours="prefixattn")
     bad = [b for b, base in zip(args.backends, bases, strict=True) if base not in known]
     if bad:

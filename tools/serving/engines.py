@@ -238,11 +238,17 @@ class VllmDriver(Driver):
 
     def __init__(self, backend: str, args: Any) -> None:
         base, changes = parse_variant(backend, ours="prefixattn")
-        attention = {"prefixattn": "CUSTOM", "bound": "NOATTN"}.get(base, base)
+        attention = {"prefixattn": "CUSTOM", "bound": "NOATTN", "readfloor": "KVFLOOR"}.get(
+            base, base
+        )
         if backend == "bound":
             from tools.vllm.noattn import register
 
             register()
+        elif backend == "readfloor":
+            from tools.vllm.noattn import register_kv_floor
+
+            register_kv_floor()
         kwargs: dict[str, Any] = dict(
             model=args.model, load_format="dummy", skip_tokenizer_init=True,
             attention_backend=attention, gpu_memory_utilization=args.gpu_mem,
@@ -266,10 +272,10 @@ class VllmDriver(Driver):
         if self.online_mode:
             import torch
 
-            if backend == "bound" and torch.cuda.is_initialized():
+            if backend in ("bound", "readfloor") and torch.cuda.is_initialized():
                 raise RuntimeError(
                     "CUDA is initialized in the benchmark process, so vLLM would spawn the "
-                    "engine core, where NOATTN is not registered"
+                    f"engine core, where {attention} is not registered"
                 )
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

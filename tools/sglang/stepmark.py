@@ -41,7 +41,7 @@ def register() -> None:
             return forward(self, *args, **kwargs)
 
     marked._step_marker = True  # type: ignore[attr-defined]
-    ModelRunner.forward = marked  # type: ignore[method-assign]
+    ModelRunner.forward = marked
 
 
 def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -24,6 +24,11 @@ one cost: each decode forward runs the shared prefix's attention math, and nothi
 FA3 (``vllm.vllm_flash_attn``): every query of the batch against a fixed P-token K/V of the
 layer's KV heads (``tools/prefix_floor.py``).
 
+``KVFLOOR`` (:class:`KvFloorBackend`, :func:`register_kv_floor`) is the bound plus the
+step's distinct KV read once per layer (``tools/kv_floor.py``): each page of the step's
+block table that a request's length reaches, once, from the layer's K and V planes. No
+exact attention backend reads less.
+
 Importing this module imports vLLM.
 """
 
@@ -126,6 +131,63 @@ class PrefixFloorBackend(NoAttentionBackend):
         return PrefixFloorImpl
 
 
+KV_FLOOR = "KVFLOOR"
+KV_FLOOR_PATH = "tools.vllm.noattn.KvFloorBackend"
+_STEP_READS: list[Any] = [None, None, None]
+"""The last step's (metadata, page ids, slots to read): every layer of a step gets the same
+metadata object, so the slots are found once per step."""
+
+
+class KvFloorImpl(NoAttentionImpl):
+    """The bound's impl plus the step's distinct KV pages read once (``tools/kv_floor.py``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import torch
+
+        from tools.kv_floor import sink_for
+
+        self.sink = sink_for(torch.device("cuda", torch.cuda.current_device()))
+
+    def forward(
+        self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
+        output: Any, *args: Any, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """Zeros in ``output``, as the bound; then the layer's K and V pages that the step's
+        requests reach, each once (FLASH_ATTN's cache: ``[2, pages, block_size, kv heads,
+        dims]``). Fixed shapes and no host sync: safe under CUDA graph capture."""
+        output.zero_()
+        if attn_metadata is None:  # vLLM's memory-profiling run
+            return output
+        from tools.kv_floor import first_reads, read_pages
+
+        if _STEP_READS[0] is not attn_metadata:
+            if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+                raise ValueError(
+                    f"KVFLOOR: KV cache {tuple(kv_cache.shape)} is not FLASH_ATTN's "
+                    "[2, pages, block_size, kv heads, dims]"
+                )
+            pages, first = first_reads(
+                attn_metadata.block_table, attn_metadata.seq_lens, kv_cache.shape[2],
+                kv_cache.shape[1],
+            )  # fmt: skip
+            _STEP_READS[:] = [attn_metadata, pages, first]
+        read_pages(kv_cache[0], kv_cache[1], _STEP_READS[1], _STEP_READS[2], self.sink)
+        return output
+
+
+class KvFloorBackend(NoAttentionBackend):
+    """The bound with :class:`KvFloorImpl`."""
+
+    @staticmethod
+    def get_name() -> str:
+        return KV_FLOOR
+
+    @staticmethod
+    def get_impl_cls() -> type[KvFloorImpl]:
+        return KvFloorImpl
+
+
 def _register(name: str, path: str) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -147,3 +209,8 @@ def register_floor(tokens: int) -> None:
     global FLOOR_TOKENS
     FLOOR_TOKENS = check_floor_tokens(tokens)
     _register(FLOOR, FLOOR_PATH)
+
+
+def register_kv_floor() -> None:
+    """Add ``KVFLOOR`` to vLLM's ``AttentionBackendEnum`` (idempotent)."""
+    _register(KV_FLOOR, KV_FLOOR_PATH)
