@@ -62,8 +62,26 @@ def test_readfloor_runs_only_when_named() -> None:
     assert "readfloor" not in bench.parse_args(["--engine", "vllm"]).backends
     args = bench.parse_args(["--engine", "vllm", "--backends", "readfloor", "prefixattn", "bound"])
     assert args.backends == ["bound", "readfloor", "prefixattn"]
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--engine", "sglang", "--backends", "readfloor"])
+    args = bench.parse_args(["--engine", "sglang", "--backends", "triton", "readfloor"])
+    assert (
+        args.backends == ["triton", "readfloor"]
+        and "readfloor" not in bench.parse_args(["--engine", "sglang"]).backends
+    )
+
+
+def test_sglang_readfloor_gets_its_plugin(tmp_path) -> None:
+    """SGLang's scheduler is spawned: the floor reaches it through its own plugin."""
+    import os
+    from importlib.metadata import distributions
+
+    args = bench.parse_args(["--engine", "sglang", "--backends", "readfloor"])
+    env = bench.worker_env(args, "readfloor", tmp_path)
+    folder = tmp_path / "kvfloor-plugin"
+    assert str(folder) in env["PYTHONPATH"].split(os.pathsep)
+    (dist,) = distributions(path=[str(folder)])
+    assert dist.name == "prefixattn_bench_kvfloor"
+    (ep,) = dist.entry_points
+    assert ep.value == "tools.sglang.noattn:register_kv_floor"
 
 
 @pytest.mark.gpu
@@ -110,3 +128,15 @@ def test_vllm_kv_floor_backend() -> None:
     )
     with pytest.raises(ValueError, match="not FLASH_ATTN's"):
         impl.forward(None, out, out, out, torch.zeros(4, 16, 8, 8), meta, output=out)
+
+
+def test_sglang_kv_floor_backend() -> None:
+    pytest.importorskip("sglang")
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from tools.sglang import noattn
+
+    noattn.register_kv_floor()
+    noattn.register_kv_floor()
+    assert ATTENTION_BACKENDS[noattn.KV_FLOOR] is noattn.create_kv_floor
+    assert issubclass(noattn.kv_floor_class(), noattn.backend_class())

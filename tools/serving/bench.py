@@ -10,7 +10,8 @@ Backends (``--backends``, default all of the engine's):
 - vLLM: ``prefixattn`` (``attention_backend="CUSTOM"``, the installed plugin), ``FLASH_ATTN``,
   ``FLASHINFER``, ``bound`` (``tools/vllm/noattn.py``, registered as ``NOATTN``), and, only
   when named, ``readfloor`` (``KVFLOOR``: the bound plus each step's distinct KV read once
-  per layer, ``tools/kv_floor.py``; the most an exact attention backend can reach);
+  per layer, ``tools/kv_floor.py``; the most an exact attention backend can reach; in
+  SGLang ``kvfloor``, with a plugin like the bound's);
 - SGLang: ``prefixattn``, ``fa3``, ``triton``, ``flashinfer``, ``bound``
   (``tools/sglang/noattn.py``, ``noattn``, reaching the scheduler through a plugin entry point
   put on the bound engine's ``PYTHONPATH`` only).
@@ -84,7 +85,7 @@ BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
     "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
 }
-FLOORS = {"vllm": ("readfloor",), "sglang": ()}
+FLOORS = {"vllm": ("readfloor",), "sglang": ("readfloor",)}
 """Backends run only when named: the bound plus the step's distinct KV read once per layer
 (``tools/kv_floor.py``), the most any exact attention backend can reach on the same traffic."""
 BOUND = "bound"
@@ -105,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine", choices=sorted(BACKENDS), required=True)
     ap.add_argument("--backends", nargs="+", metavar="BACKEND",
                     help="vllm: " + " ".join(BACKENDS["vllm"]) + "; sglang: "
-                         + " ".join(BACKENDS["sglang"]) + "; vllm's readfloor (the bound plus "
-                         "the distinct KV read) only when named (default: all the others; "
+                         + " ".join(BACKENDS["sglang"]) + "; readfloor (the bound plus the "
+                         "distinct KV read) only when named (default: all the others; "
                          "the bound runs "
                          "first)")  # fmt: skip
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
@@ -193,7 +194,12 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     from tools.sglang.core_options import engine_env
 
-    full = engine_env(backend, scratch, bound=backend == BOUND) or {}
+    if backend == "readfloor":  # the floor's plugin, for the spawned scheduler
+        from tools.sglang.noattn import kv_floor_plugin_env
+
+        full = kv_floor_plugin_env(scratch / "kvfloor-plugin")
+    else:
+        full = engine_env(backend, scratch, bound=backend == BOUND) or {}
     if args.profile is not None:
         from tools.sglang.stepmark import plugin_env
 

@@ -359,11 +359,15 @@ class SglangDriver(Driver):
 
     def __init__(self, backend: str, args: Any) -> None:
         base, _ = parse_variant(backend)  # the scheduler's options come from its plugin
-        attention = {"bound": "noattn"}.get(base, base)
+        attention = {"bound": "noattn", "readfloor": "kvfloor"}.get(base, base)
         if backend == "bound":
             from tools.sglang.noattn import register
 
             register()  # this process; the scheduler's comes from the plugin entry point
+        elif backend == "readfloor":
+            from tools.sglang.noattn import register_kv_floor
+
+            register_kv_floor()
         import sglang as sgl
 
         self.engine = sgl.Engine(

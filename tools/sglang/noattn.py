@@ -8,6 +8,10 @@ engine's per-step host work and the metadata kernels are counted); ``forward_dec
 v_head_dim]`` in the query's dtype) and never call ``set_kv_buffer``: no KV is read or written
 and nothing is computed. The KV pool is the model runner's own, as for every backend.
 
+``kvfloor`` (:func:`kv_floor_class`) is the bound plus the step's distinct KV read once per
+layer (``tools/kv_floor.py``): every token a request of the step reaches, once, from the
+layer's K and V buffers. No exact attention backend reads less.
+
 ``prefixfloor`` (:func:`floor_class`) is the same backend plus one cost: each decode forward
 runs the shared prefix's attention math, and nothing else, on FA3 (vLLM's build where it is
 importable, else sgl_kernel's; ``tools/prefix_floor.fa3_varlen``), the fastest dense
@@ -42,6 +46,8 @@ FLOOR_TOKENS = 0
 ENTRY_POINT = "prefixattn_bench_noattn"
 DIST = "prefixattn_bench_noattn"
 FLOOR_DIST = FLOOR_MODULE = "prefixattn_bench_prefixfloor"
+KV_FLOOR = "kvfloor"
+KV_FLOOR_DIST = "prefixattn_bench_kvfloor"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -118,6 +124,55 @@ def floor_class() -> type:
     return PrefixFloorBackend
 
 
+@functools.cache
+def kv_floor_class() -> type:
+    """The ``kvfloor`` backend class: :func:`backend_class` plus the step's distinct KV read
+    once per layer (``tools/kv_floor.py``; page size 1: each token a page)."""
+    import torch
+
+    from tools.kv_floor import first_reads, read_pages, sink_for
+
+    class KvFloorBackend(backend_class()):  # type: ignore[misc]
+        """The bound, plus each layer's K and V of the tokens the step's requests reach,
+        each token once."""
+
+        def __init__(self, model_runner: Any) -> None:
+            super().__init__(model_runner)
+            device = torch.device(model_runner.device)  # "cuda": this process's GPU
+            if device.index is None:
+                device = torch.device(device.type, torch.cuda.current_device())
+            self.sink = sink_for(device)
+            self.step_reads: tuple[Any, Any, Any] = (None, None, None)
+
+        def _read(self, layer: Any, forward_batch: Any) -> None:
+            pool = forward_batch.token_to_kv_pool
+            k = pool.get_key_buffer(layer.layer_id)
+            if self.step_reads[0] is not forward_batch:  # once per step: every layer's batch
+                table = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+                pages, first = first_reads(table, forward_batch.seq_lens, 1, k.shape[0])
+                self.step_reads = (forward_batch, pages, first)
+            _, pages, first = self.step_reads
+            read_pages(k, pool.get_value_buffer(layer.layer_id), pages, first, self.sink)
+
+        def forward_decode(
+            self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+            save_kv_cache: bool = True, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            self._read(layer, forward_batch)
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+        def forward_extend(
+            self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+            save_kv_cache: bool = True, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            self._read(layer, forward_batch)
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    KvFloorBackend.__module__ = __name__
+    KvFloorBackend.__qualname__ = "KvFloorBackend"
+    return KvFloorBackend
+
+
 def create_backend(model_runner: Any) -> Any:
     """SGLang attention-registry factory: ``fn(model_runner) -> AttentionBackend``."""
     if getattr(model_runner, "use_mla_backend", False):
@@ -130,6 +185,13 @@ def create_floor(model_runner: Any) -> Any:
     if getattr(model_runner, "use_mla_backend", False):
         raise ValueError("the prefixfloor bound serves MHA/GQA models; this model uses MLA")
     return floor_class()(model_runner)
+
+
+def create_kv_floor(model_runner: Any) -> Any:
+    """SGLang attention-registry factory of ``kvfloor``."""
+    if getattr(model_runner, "use_mla_backend", False):
+        raise ValueError("the kvfloor bound serves MHA/GQA models; this model uses MLA")
+    return kv_floor_class()(model_runner)
 
 
 def register() -> None:
@@ -146,6 +208,20 @@ def register_floor(tokens: int) -> None:
     global FLOOR_TOKENS
     FLOOR_TOKENS = check_floor_tokens(tokens)
     register_backend(FLOOR, create_floor)
+
+
+def register_kv_floor() -> None:
+    """Add ``kvfloor`` to SGLang's attention-backend choices and registry (idempotent)."""
+    from prefixattn.adapters.sglang.plugin import register_backend
+
+    register_backend(KV_FLOOR, create_kv_floor)
+
+
+def kv_floor_plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """As :func:`plugin_env`, for ``kvfloor`` (:func:`register_kv_floor`)."""
+    return plugin_distribution(
+        folder, KV_FLOOR_DIST, KV_FLOOR_DIST, f"{__name__}:register_kv_floor", base
+    )
 
 
 def plugin_env(folder: Path, base: dict[str, str] | None = None) -> dict[str, str]:
