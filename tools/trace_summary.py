@@ -26,7 +26,10 @@ the batch's block table to the host, which waits for the work queued before it) 
   same steps, all of them, by kind (one CUDA graph launch, several, none), with their host
   time and the device time of the kernels they launched (attention and the rest).
 
-    python -m tools.trace_summary TRACE.json[.gz] [--gap-us 50] [--step-marker NAME]
+    python -m tools.trace_summary TRACE.json[.gz] [--gap-us 50] [--step-marker NAME] [--slim DIR]
+
+``--slim DIR`` also writes each trace's slim copy (:func:`slim`: GPU work, named ranges and
+launches only; the same summaries, in a tenth of the bytes or less).
 """
 
 from __future__ import annotations
@@ -344,15 +347,41 @@ def summarize_traces(
     return out
 
 
+SLIM_CATS = (*GPU_CATS, "gpu_user_annotation", "user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def slim(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events every summary here reads, with only the fields it reads: GPU work, the
+    named ranges (steps, planning) and the CUDA launches with their correlation ids. The
+    framework's per-operator events (``cpu_op``), most of a trace's bytes, are left out, so a
+    serving run's trace becomes small enough to carry off a machine."""
+    out = []
+    for e in events:
+        if e.get("cat") in SLIM_CATS:
+            kept = {k: e[k] for k in ("ph", "name", "cat", "ts", "dur", "pid", "tid") if k in e}
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                kept["args"] = {"correlation": corr}
+            out.append(kept)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--gap-us", type=float, default=50.0, help="shortest idle interval listed")
     ap.add_argument("--step-marker", help="host event that starts each step (adds 'steps')")
+    ap.add_argument("--slim", type=Path, metavar="DIR",
+                    help="also write each trace's slim copy (slim()) as DIR/NAME.slim.json.gz")  # fmt: skip
     args = ap.parse_args(argv)
     result = {}
     for p in args.traces:
         events = load(p)
+        if args.slim is not None:
+            args.slim.mkdir(parents=True, exist_ok=True)
+            name = p.name.removesuffix(".gz").removesuffix(".json")
+            data = json.dumps({"traceEvents": slim(events)}).encode()
+            (args.slim / f"{name}.slim.json.gz").write_bytes(gzip.compress(data))
         result[str(p)] = summarize(events, args.gap_us)
         if args.step_marker:
             result[str(p)]["steps"] = steps_summary(events, args.step_marker, args.gap_us)

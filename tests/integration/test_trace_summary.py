@@ -221,3 +221,29 @@ def test_steps_summary_of_a_long_trace(ts) -> None:
     # of 5 us fall in the first, 11 in the second.
     assert s["gpu_idle_ms"] == 5.0
     assert s["host_during_idle_ms_per_step"]["cuda_runtime/cudaLaunchKernel"] == 0.17
+
+
+def test_slim_copy_summarizes_the_same(ts, tmp_path: Path) -> None:
+    """The slim copy keeps what the summaries read: the same summary, steps and kinds,
+    without the per-operator events."""
+    trace = [
+        _ev("step", "user_annotation", 0, 50),
+        _ev("step", "user_annotation", 1000, 50),
+        _ev("step", "user_annotation", 2000, 50),
+        {**_ev("aten::mm", "cpu_op", 10, 80), "args": {"Input Dims": [[4, 4]]}},
+        _launch("cudaGraphLaunch", 100, 1),
+        _kernel("prefixattn::forward_leaf_kernel", 300, 40, 1),
+        _launch("cudaLaunchKernel", 1100, 2),
+        _kernel("gemm", 1300, 60, 2),
+    ]
+    path = tmp_path / "run.pt.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": trace}).encode()))
+    assert ts.main([str(path), "--step-marker", "step", "--slim", str(tmp_path / "s")]) == 0
+    copy = tmp_path / "s" / "run.pt.trace.slim.json.gz"
+    slimmed = ts.load(copy)
+    assert len(slimmed) == len(trace) - 1 and all(e["cat"] != "cpu_op" for e in slimmed)
+    full = ts.load(path)
+    assert ts.summarize(slimmed) == ts.summarize(full)
+    assert ts.step_kinds(slimmed, "step") == ts.step_kinds(full, "step")
+    assert ts.steps_summary(slimmed, "step")["gpu_busy_ms"] == ts.steps_summary(
+        full, "step")["gpu_busy_ms"]  # fmt: skip
