@@ -358,7 +358,8 @@ def slim(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for e in events:
         if e.get("cat") in SLIM_CATS:
-            kept = {k: e[k] for k in ("ph", "name", "cat", "ts", "dur", "pid", "tid") if k in e}
+            fields = ("ph", "name", "cat", "ts", "dur", "pid", "tid")
+            kept: dict[str, Any] = {k: e[k] for k in fields if k in e}
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 kept["args"] = {"correlation": corr}
