@@ -10,11 +10,13 @@ slower. (The prefill math, which the floor leaves out, makes the real limit lowe
 floor is an upper bound on every backend's percent of the bound.)
 
 Per step, :func:`first_reads` marks each (request, page slot) of the block table whose page
-is in use (inside the request's length) and not used by an earlier slot, with device ops of
-fixed shapes (no host sync, so it runs under CUDA graph capture); per layer,
-:func:`read_pages` reads the marked pages of the layer's K and V planes with a Triton kernel
-whose few programs stride over the slots, and adds what they read into a sink, so that no
-load can be left out. The pages' contents do not matter (the bound writes none).
+is in use (inside the request's length) and not used by an earlier slot, and
+:func:`distinct_pages` packs those pages to the front of an array with their count on the
+device: fixed shapes and no host sync, so both run under CUDA graph capture. Per layer,
+:func:`read_pages` reads each of the counted pages once with a Triton kernel whose few
+programs stride over them (the count bounds its loop on the device), adding what they read
+into a sink so that no load can be left out. The pages' contents do not matter (the bound
+writes none). The floor is for full attention: a sliding window reads less.
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def first_reads(
     return pages, first
 
 
+def distinct_pages(pages: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages ``first`` marks, packed to the front of an int64 array of ``pages``' length
+    plus one (the rest is unspecified), and their count (int64 [1]), both on the device
+    without a host sync: the read then costs the distinct pages, not the table's slots."""
+    n = pages.numel()
+    at = torch.cumsum(first, 0) - 1
+    packed = torch.zeros(n + 1, dtype=torch.int64, device=pages.device)
+    packed.scatter_(0, torch.where(first, at, n), pages)
+    count = (at[-1:] + 1) if n else torch.zeros(1, dtype=torch.int64, device=pages.device)
+    return packed, count
+
+
 @functools.cache
 def _kernel() -> Any:
     import triton
@@ -61,51 +75,58 @@ def _kernel() -> Any:
 
     @triton.jit
     def read_pages_kernel(
-        k_ptr, v_ptr, pages_ptr, first_ptr, sink_ptr, n_slots, page_stride,
-        PAGE: tl.constexpr, CHUNK: tl.constexpr,
+        a_ptr, b_ptr, pages_ptr, count_ptr, sink_ptr, page_stride,
+        PAGE: tl.constexpr, CHUNK: tl.constexpr, TWO: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         acc = tl.zeros([CHUNK], dtype=tl.float32)
         offs = tl.arange(0, CHUNK)
-        for s in range(pid, n_slots, tl.num_programs(0)):
-            if tl.load(first_ptr + s) != 0:
-                base = tl.load(pages_ptr + s) * page_stride
-                for off in range(0, PAGE, CHUNK):
-                    k = tl.load(k_ptr + base + off + offs)
-                    v = tl.load(v_ptr + base + off + offs)
-                    acc += k.to(tl.float32) + v.to(tl.float32)
+        n = tl.load(count_ptr)
+        for i in range(pid, n, tl.num_programs(0)):
+            base = tl.load(pages_ptr + i) * page_stride
+            for off in range(0, PAGE, CHUNK):
+                acc += tl.load(a_ptr + base + off + offs).to(tl.float32)
+                if TWO:
+                    acc += tl.load(b_ptr + base + off + offs).to(tl.float32)
         tl.atomic_add(sink_ptr + pid, tl.sum(acc, axis=0))
 
     return read_pages_kernel
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free span of memory (in some order of dims)."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1),
+                               key=lambda d: d[1]):  # fmt: skip
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def read_pages(
-    k_plane: torch.Tensor,
-    v_plane: torch.Tensor,
-    pages: torch.Tensor,
-    first: torch.Tensor,
-    sink: torch.Tensor,
+    planes: list[torch.Tensor], pages: torch.Tensor, count: torch.Tensor, sink: torch.Tensor
 ) -> None:
-    """Read the pages of ``k_plane`` and ``v_plane`` ([num_pages, ...], each page contiguous)
-    that ``first`` marks (``pages``, ``first``: from :func:`first_reads`) once each, adding
-    their sum into ``sink`` (float32 on the device, one entry per program: its length sets
-    the programs). Pages whose K or V are not contiguous, or planes of different shapes,
-    raise ``ValueError``."""
-    if k_plane.shape != v_plane.shape or k_plane.stride() != v_plane.stride():
+    """Read the first ``count`` pages listed in ``pages`` (from :func:`distinct_pages`) once
+    from each plane: one or two tensors ``[num_pages, ...]`` of one shape and strides (K and
+    V apart, or one plane whose pages hold both) whose pages ``plane[p]`` each fill a
+    gap-free span of memory; their sum goes into ``sink`` (float32 on the device, one entry
+    per program: its length sets the programs). Other planes raise ``ValueError``."""
+    if not 1 <= len(planes) <= 2:
+        raise ValueError(f"kv floor: one or two KV planes, got {len(planes)}")
+    a, b = planes[0], planes[-1]
+    if a.shape != b.shape or a.stride() != b.stride():
         raise ValueError(
-            f"kv floor: K {tuple(k_plane.shape)} / {k_plane.stride()} and V "
-            f"{tuple(v_plane.shape)} / {v_plane.stride()} planes differ"
+            f"kv floor: planes {tuple(a.shape)} / {a.stride()} and {tuple(b.shape)} / "
+            f"{b.stride()} differ"
         )
-    page = k_plane[0].numel()
-    if not (k_plane[0].is_contiguous() and v_plane[0].is_contiguous()):
-        raise ValueError("kv floor: a KV page is not contiguous in the cache's layout")
-    chunk = min(4096, 1 << (page.bit_length() - 1))
-    if page % chunk:
-        raise ValueError(f"kv floor: page of {page} elements is not a multiple of {chunk}")
+    page = a[0].numel()
+    if not _dense(a[0]) or a.stride(0) < page:
+        raise ValueError("kv floor: a KV page does not fill one span of the cache's memory")
+    chunk = min(4096, page & -page)  # the largest power of two dividing the page, at most 4K
     _kernel()[(sink.numel(),)](
-        k_plane, v_plane, pages, first.view(torch.uint8), sink, pages.numel(), k_plane.stride(0),
-        PAGE=page, CHUNK=chunk,
-    )  # fmt: skip
+        a, b, pages, count, sink, a.stride(0), PAGE=page, CHUNK=chunk, TWO=len(planes) == 2
+    )
 
 
 def sink_for(device: torch.device) -> torch.Tensor:

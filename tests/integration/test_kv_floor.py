@@ -84,8 +84,32 @@ def test_sglang_readfloor_gets_its_plugin(tmp_path) -> None:
     assert ep.value == "tools.sglang.noattn:register_kv_floor"
 
 
+def test_distinct_pages_packs_the_marked_pages_and_counts_them() -> None:
+    table = torch.tensor([[3, 4, 9], [3, 5, 8]], dtype=torch.int32)
+    pages, first = kv_floor.first_reads(table, torch.tensor([40, 20]), 16, 10)
+    packed, count = kv_floor.distinct_pages(pages, first)
+    assert count.tolist() == [4] and packed[:4].tolist() == [3, 4, 9, 5]
+    assert packed.shape == (7,) and count.dtype == torch.int64
+    none = kv_floor.first_reads(table, torch.tensor([0, 0]), 16, 10)
+    assert kv_floor.distinct_pages(*none)[1].tolist() == [0]
+
+
+def test_pages_must_each_fill_one_span() -> None:
+    cache = torch.zeros(6, 8, 16, 256)  # vLLM's [pages, kv heads, block_size, 2 x dims]
+    assert kv_floor._dense(cache.transpose(1, 2)[0])  # [16, 8, 256]: one span
+    assert not kv_floor._dense(cache[:, :, :, :128][0])  # K alone: gaps between rows
+    assert kv_floor._dense(torch.zeros(1, 4, 1, 3)[0])
+    with pytest.raises(ValueError, match="one or two"):
+        kv_floor.read_pages([], torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ValueError, match="differ"):
+        kv_floor.read_pages([cache, cache[:5]], torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ValueError, match="one span"):
+        kv_floor.read_pages([cache[..., :128]], torch.zeros(1), torch.zeros(1), torch.zeros(1))
+
+
 @pytest.mark.gpu
-def test_read_pages_reads_each_marked_page_once() -> None:
+@pytest.mark.parametrize("two_planes", [True, False])
+def test_read_pages_reads_each_marked_page_once(two_planes: bool) -> None:
     """Pages hold their own index in every element: the sink's total says which pages the
     kernel read, and how often."""
     pytest.importorskip("triton")
@@ -93,16 +117,14 @@ def test_read_pages_reads_each_marked_page_once() -> None:
     pages, bs, heads, dims = 64, 16, 8, 128
     k = torch.arange(pages, device=dev, dtype=torch.float32)[:, None, None, None].expand(
         pages, bs, heads, dims).to(torch.bfloat16).contiguous()  # fmt: skip
-    v = k.clone()
+    planes = [k, k.clone()] if two_planes else [k]
     table = torch.tensor([[3, 4, 9, 0], [3, 5, 8, 0], [9, 9, 9, 9]], dtype=torch.int32, device=dev)
     lens = torch.tensor([40, 20, 64], dtype=torch.int32, device=dev)
-    ids, first = kv_floor.first_reads(table, lens, bs, pages)
+    packed, count = kv_floor.distinct_pages(*kv_floor.first_reads(table, lens, bs, pages))
     sink = kv_floor.sink_for(dev)
-    kv_floor.read_pages(k, v, ids, first, sink)
-    per_page = 2 * bs * heads * dims  # K and V
+    kv_floor.read_pages(planes, packed, count, sink)
+    per_page = len(planes) * bs * heads * dims
     assert float(sink.sum()) == pytest.approx((3 + 4 + 9 + 5) * per_page, rel=1e-6)
-    with pytest.raises(ValueError, match="not contiguous"):
-        kv_floor.read_pages(k.transpose(1, 2), v.transpose(1, 2), ids, first, sink)
 
 
 def test_vllm_kv_floor_backend() -> None:
@@ -127,16 +149,47 @@ def test_vllm_kv_floor_backend() -> None:
         block_table=torch.zeros(2, 3, dtype=torch.int32), seq_lens=torch.ones(2)
     )
     with pytest.raises(ValueError, match="not FLASH_ATTN's"):
-        impl.forward(None, out, out, out, torch.zeros(4, 16, 8, 8), meta, output=out)
+        impl.forward(None, out, out, out, torch.zeros(2, 4, 16, 8, 8), meta, output=out)
+    impl.sliding_window = (127, 0)
+    with pytest.raises(ValueError, match="has a window"):
+        impl.forward(None, out, out, out, torch.zeros(4, 8, 16, 16), meta, output=out)
+    layer = types.SimpleNamespace(layer_name="model.layers.17.self_attn.attn")
+    assert noattn._layer_index(layer) == 17 and noattn._layer_index(object()) == 0
 
 
-def test_sglang_kv_floor_backend() -> None:
-    pytest.importorskip("sglang")
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+INTERPRETED = """
+import torch
+from tools import kv_floor
+pages, bs, heads, dims = 64, 16, 8, 128
+k = torch.arange(pages, dtype=torch.float32)[:, None, None, None].expand(
+    pages, bs, heads, dims).to(torch.bfloat16).contiguous()
+table = torch.tensor([[3, 4, 9, 0], [3, 5, 8, 0], [9, 9, 9, 9]], dtype=torch.int32)
+lens = torch.tensor([40, 20, 64], dtype=torch.int32)
+packed, count = kv_floor.distinct_pages(*kv_floor.first_reads(table, lens, bs, pages))
+vllm_cache = (torch.arange(pages, dtype=torch.float32)[:, None, None, None]
+              .expand(pages, bs, heads, 2 * dims).contiguous().transpose(1, 2))
+for planes in ([k, k.clone()], [k], [vllm_cache.transpose(1, 2)]):
+    sink = torch.zeros(8)
+    kv_floor.read_pages(planes, packed, count, sink)
+    print(float(sink.sum()) / (len(planes) * planes[0][0].numel()))
+"""
 
-    from tools.sglang import noattn
 
-    noattn.register_kv_floor()
-    noattn.register_kv_floor()
-    assert ATTENTION_BACKENDS[noattn.KV_FLOOR] is noattn.create_kv_floor
-    assert issubclass(noattn.kv_floor_class(), noattn.backend_class())
+def test_read_pages_in_tritons_interpreter() -> None:
+    """The read kernel on the CPU, in Triton's interpreter (where Triton is installed, as in
+    the engines' environments; a process of its own, since Triton reads the switch once):
+    two planes, one plane, and vLLM's cache whose pages hold K and V in one span. Each
+    reads pages 3, 4, 9 and 5 once: the sums over a page's elements are 21 per element."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root / "python"), str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["21.0", "21.0", "21.0"]

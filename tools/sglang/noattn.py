@@ -130,7 +130,7 @@ def kv_floor_class() -> type:
     once per layer (``tools/kv_floor.py``; page size 1: each token a page)."""
     import torch
 
-    from tools.kv_floor import first_reads, read_pages, sink_for
+    from tools.kv_floor import distinct_pages, first_reads, read_pages, sink_for
 
     class KvFloorBackend(backend_class()):  # type: ignore[misc]
         """The bound, plus each layer's K and V of the tokens the step's requests reach,
@@ -138,21 +138,27 @@ def kv_floor_class() -> type:
 
         def __init__(self, model_runner: Any) -> None:
             super().__init__(model_runner)
+            if self.sliding_window_size is not None:
+                raise ValueError("kvfloor reads whole contexts; this model has a window")
             device = torch.device(model_runner.device)  # "cuda": this process's GPU
             if device.index is None:
                 device = torch.device(device.type, torch.cuda.current_device())
             self.sink = sink_for(device)
-            self.step_reads: tuple[Any, Any, Any] = (None, None, None)
+            # The current step's (last layer read, pages, count): found at its first layer (a
+            # forward starts again at a lower layer; SGLang reuses one batch object for the
+            # warm-up runs and the capture of a decode graph, so its identity says nothing).
+            self.step_reads: tuple[int, Any, Any] = (-1, None, None)
 
         def _read(self, layer: Any, forward_batch: Any) -> None:
-            pool = forward_batch.token_to_kv_pool
-            k = pool.get_key_buffer(layer.layer_id)
-            if self.step_reads[0] is not forward_batch:  # once per step: every layer's batch
-                table = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
-                pages, first = first_reads(table, forward_batch.seq_lens, 1, k.shape[0])
-                self.step_reads = (forward_batch, pages, first)
-            _, pages, first = self.step_reads
-            read_pages(k, pool.get_value_buffer(layer.layer_id), pages, first, self.sink)
+            k = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            last, pages, count = self.step_reads
+            if pages is None or layer.layer_id <= last:
+                table = self.req_to_token[forward_batch.req_pool_indices]
+                first = first_reads(table, forward_batch.seq_lens, 1, k.shape[0])
+                pages, count = distinct_pages(*first)
+            self.step_reads = (layer.layer_id, pages, count)
+            v = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+            read_pages([k, v], pages, count, self.sink)
 
         def forward_decode(
             self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,

@@ -26,8 +26,8 @@ layer's KV heads (``tools/prefix_floor.py``).
 
 ``KVFLOOR`` (:class:`KvFloorBackend`, :func:`register_kv_floor`) is the bound plus the
 step's distinct KV read once per layer (``tools/kv_floor.py``): each page of the step's
-block table that a request's length reaches, once, from the layer's K and V planes. No
-exact attention backend reads less.
+block table that a request's length reaches, once, K and V (one span per page in
+FLASH_ATTN's cache). No exact attention backend reads less.
 
 Importing this module imports vLLM.
 """
@@ -133,9 +133,17 @@ class PrefixFloorBackend(NoAttentionBackend):
 
 KV_FLOOR = "KVFLOOR"
 KV_FLOOR_PATH = "tools.vllm.noattn.KvFloorBackend"
-_STEP_READS: list[Any] = [None, None, None]
-"""The last step's (metadata, page ids, slots to read): every layer of a step gets the same
-metadata object, so the slots are found once per step."""
+_STEP_READS: list[Any] = [None, -1, None, None]
+"""The current step's (metadata, last layer index read, pages, count): found once per step,
+at its first layer (a forward starts again at a lower layer index, or with new metadata)."""
+
+
+def _layer_index(layer: Any) -> int:
+    """The index in ``layer.layer_name`` (``model.layers.7.self_attn.attn`` -> 7), else 0."""
+    for part in str(getattr(layer, "layer_name", "")).split("."):
+        if part.isdigit():
+            return int(part)
+    return 0
 
 
 class KvFloorImpl(NoAttentionImpl):
@@ -153,26 +161,31 @@ class KvFloorImpl(NoAttentionImpl):
         self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
         output: Any, *args: Any, **kwargs: Any,
     ) -> Any:  # fmt: skip
-        """Zeros in ``output``, as the bound; then the layer's K and V pages that the step's
-        requests reach, each once (FLASH_ATTN's cache: ``[2, pages, block_size, kv heads,
-        dims]``). Fixed shapes and no host sync: safe under CUDA graph capture."""
+        """Zeros in ``output``, as the bound; then the layer's KV pages that the step's
+        requests reach, each once (FLASH_ATTN's cache: ``[pages, kv heads, block_size, 2 x
+        dims]``, each page's K and V one span of memory). Fixed shapes and no host sync:
+        safe under CUDA graph capture."""
         output.zero_()
         if attn_metadata is None:  # vLLM's memory-profiling run
             return output
-        from tools.kv_floor import first_reads, read_pages
+        from tools.kv_floor import distinct_pages, first_reads, read_pages
 
-        if _STEP_READS[0] is not attn_metadata:
-            if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-                raise ValueError(
-                    f"KVFLOOR: KV cache {tuple(kv_cache.shape)} is not FLASH_ATTN's "
-                    "[2, pages, block_size, kv heads, dims]"
-                )
+        if tuple(getattr(self, "sliding_window", (-1, -1))) != (-1, -1):
+            raise ValueError("KVFLOOR: the floor reads whole contexts; this layer has a window")
+        if kv_cache.dim() != 4:
+            raise ValueError(
+                f"KVFLOOR: KV cache {tuple(kv_cache.shape)} is not FLASH_ATTN's "
+                "[pages, kv heads, block_size, 2 x head_size]"
+            )
+        index = _layer_index(layer)
+        if _STEP_READS[0] is not attn_metadata or index <= _STEP_READS[1]:
             pages, first = first_reads(
                 attn_metadata.block_table, attn_metadata.seq_lens, kv_cache.shape[2],
-                kv_cache.shape[1],
+                kv_cache.shape[0],
             )  # fmt: skip
-            _STEP_READS[:] = [attn_metadata, pages, first]
-        read_pages(kv_cache[0], kv_cache[1], _STEP_READS[1], _STEP_READS[2], self.sink)
+            _STEP_READS[:] = [attn_metadata, index, *distinct_pages(pages, first)]
+        _STEP_READS[1] = index
+        read_pages([kv_cache.transpose(1, 2)], _STEP_READS[2], _STEP_READS[3], self.sink)
         return output
 
 
