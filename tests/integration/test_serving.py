@@ -640,3 +640,36 @@ def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
         bench.parse_args(["--engine", "sglang"]), "triton", tmp_path / "c"
     )
     assert bench.STEP_MARKER == {"vllm": "execute_context_", "sglang": "sglang.forward"}
+
+
+def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
+    """tools/serving/run_gpu.sh (DRY_RUN=1: the commands only): vLLM on GPU 0 and SGLang on
+    GPU 1, each with its own stack on the path; cutlass's folder for SGLang (its .pth is not
+    read from a --target install) and the SGLang stack's torchvision for vLLM."""
+    root = Path(__file__).resolve().parents[2]
+    vstack, sstack = tmp_path / "v", tmp_path / "s"
+    (sstack / "nvidia_cutlass_dsl" / "dsl_packages").mkdir(parents=True)
+    (sstack / "torchvision").mkdir()
+    (sstack / "torchvision-0.29.0.dist-info").mkdir()
+    vstack.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "VLLM_STACK": str(vstack), "SGLANG_STACK": str(sstack),
+           "PA": "/pa", "OUT": str(out), "BUDGET": "300",
+           "VLLM_ARGS": "--workloads forest --backends bound readfloor",
+           "SGLANG_ARGS": "--workloads forest --profile /tmp/none"}  # fmt: skip
+    done = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    vllm = (out / "vllm.log").read_text()
+    sglang = (out / "sglang.log").read_text()
+    assert "--engine vllm --budget 280" in vllm and "--backends bound readfloor" in vllm
+    assert "--engine sglang --budget 280" in sglang and "--profile /tmp/none" in sglang
+    assert f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/pa:{vstack}:{out}/torchvision-path " in vllm
+    cutlass = sstack / "nvidia_cutlass_dsl" / "dsl_packages"
+    assert f"CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/pa:{sstack}:{cutlass}:{vstack} " in sglang
+    assert (out / "torchvision-path" / "torchvision").is_symlink()
+    assert (out / "torchvision-path" / "torchvision-0.29.0.dist-info").is_symlink()
+    missing = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"],
+                             env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
