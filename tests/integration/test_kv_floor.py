@@ -193,3 +193,52 @@ def test_read_pages_in_tritons_interpreter() -> None:
                           text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["21.0", "21.0", "21.0"]
+
+
+VLLM_FORWARD = """
+import types
+import torch
+from tools import kv_floor
+from tools.vllm import noattn
+
+calls = []
+find = kv_floor.first_reads
+kv_floor.first_reads = lambda *a: calls.append(1) or find(*a)
+
+impl = object.__new__(noattn.KvFloorImpl)  # the constructor allocates on a GPU
+impl.sink = torch.zeros(8)
+pages, heads, bs, dims = 12, 2, 4, 8
+# FLASH_ATTN's cache [pages, kv heads, block_size, 2 x dims], page p's K and V all p.
+phys = torch.arange(pages, dtype=torch.float32)[:, None, None, None].expand(
+    pages, bs, heads, 2 * dims).contiguous()
+cache = phys.transpose(1, 2)
+meta = types.SimpleNamespace(block_table=torch.tensor([[3, 4, 0], [3, 7, 9]], dtype=torch.int32),
+                             seq_lens=torch.tensor([8, 9]))
+out = torch.ones(3, 4)
+for step in range(2):
+    for index in range(3):  # three layers a step, the same metadata object both steps
+        layer = types.SimpleNamespace(layer_name=f"model.layers.{index}.self_attn.attn")
+        impl.forward(layer, out, out, out, cache, meta, output=out)
+print(float(impl.sink.sum()) / (bs * heads * 2 * dims), int(out.abs().sum()), len(calls))
+"""
+
+
+def test_vllm_kv_floor_forward_reads_each_page_once_per_layer() -> None:
+    """KVFLOOR's forward on vLLM's cache layout, in Triton's interpreter (a process of its own):
+    rows [3, 4] and [3, 7, 9] read pages 3, 4, 7 and 9 once per layer, in each of three
+    layers of two steps that reuse one metadata object (a new step starts at layer 0)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root / "python"), str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", VLLM_FORWARD], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Pages found once a step (its first layer), read by every layer; the output zeros.
+    assert done.stdout.split()[-3:] == [str(float((3 + 4 + 7 + 9) * 3 * 2)), "0", "2"]

@@ -673,3 +673,31 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
                              env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
+
+
+def test_sglang_step_marker_wraps_each_forward_once(monkeypatch) -> None:
+    """tools/sglang/stepmark.py on a stand-in for SGLang's model runner: the forward pass runs
+    inside one profiler range of its name, returns what it returned, and registering twice
+    wraps it once."""
+    import torch
+
+    from tools.sglang import stepmark
+
+    class ModelRunner:
+        def forward(self, batch: int, skip: bool = False) -> int:
+            return batch * 2 + skip
+
+    names = ["sglang", "sglang.srt", "sglang.srt.model_executor"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    runner_module = types.ModuleType("sglang.srt.model_executor.model_runner")
+    runner_module.ModelRunner = ModelRunner  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, runner_module.__name__, runner_module)
+    original = ModelRunner.forward
+    stepmark.register()
+    stepmark.register()
+    assert ModelRunner.forward.__wrapped__ is original  # type: ignore[attr-defined]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert ModelRunner().forward(3, skip=True) == 7
+    ranges = [e.name for e in prof.events() if e.name == stepmark.MARKER]
+    assert ranges == [stepmark.MARKER]
