@@ -181,6 +181,12 @@ def test_read_pages_in_tritons_interpreter() -> None:
     two planes, one plane, and vLLM's cache whose pages hold K and V in one span. Each
     reads pages 3, 4, 9 and 5 once: the sums over a page's elements are 21 per element."""
     pytest.importorskip("triton")
+    assert _interpreted(INTERPRETED) == ["21.0", "21.0", "21.0"]
+
+
+def _interpreted(code: str) -> list[str]:
+    """What ``code`` prints, run in a fresh interpreter with Triton's interpreter switched on
+    (Triton reads the switch once per process) and this repository on the path."""
     import os
     import subprocess
     import sys
@@ -189,10 +195,10 @@ def test_read_pages_in_tritons_interpreter() -> None:
     root = Path(__file__).resolve().parents[2]
     path = os.pathsep.join([str(root / "python"), str(root), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["21.0", "21.0", "21.0"]
+    return done.stdout.split()
 
 
 VLLM_FORWARD = """
@@ -229,16 +235,5 @@ def test_vllm_kv_floor_forward_reads_each_page_once_per_layer() -> None:
     layers of two steps that reuse one metadata object (a new step starts at layer 0)."""
     pytest.importorskip("vllm")
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join([str(root / "python"), str(root), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", VLLM_FORWARD], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
     # Pages found once a step (its first layer), read by every layer; the output zeros.
-    assert done.stdout.split()[-3:] == [str(float((3 + 4 + 7 + 9) * 3 * 2)), "0", "2"]
+    assert _interpreted(VLLM_FORWARD)[-3:] == [str(float((3 + 4 + 7 + 9) * 3 * 2)), "0", "2"]
