@@ -22,6 +22,7 @@ writes none). The floor is for full attention: a sliding window reads less.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,6 +128,32 @@ def read_pages(
     _kernel()[(sink.numel(),)](
         a, b, pages, count, sink, a.stride(0), PAGE=page, CHUNK=chunk, TWO=len(planes) == 2
     )
+
+
+class StepPages:
+    """A step's pages to read (:func:`distinct_pages`), found once per step, at its first
+    layer: a forward starts again at a lower layer index, or with another ``step`` object.
+    The layer order is what counts: SGLang reuses one batch object for a decode graph's
+    warm-up runs and its capture, so the object alone does not mark a new step."""
+
+    def __init__(self) -> None:
+        self.step: object = None
+        self.layer = -1
+        self.found: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(
+        self,
+        step: object,
+        layer: int,
+        find: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages and count of ``step``'s ``layer``; ``find()`` (first_reads, then
+        distinct_pages) where this layer starts a step."""
+        if self.found is None or step is not self.step or layer <= self.layer:
+            self.found = find()
+            self.step = step
+        self.layer = layer
+        return self.found
 
 
 def sink_for(device: torch.device) -> torch.Tensor:

@@ -152,8 +152,7 @@ def steps_summary(
     median length, GPU busy and idle, and the host events overlapping the idle gaps (ms per
     step, by ``cat/name``). Linear in the events, up to logarithms: a whole serving run's trace
     (millions of events) is summarised in seconds."""
-    starts = _marker_starts(events, marker)
-    spans = list(itertools.pairwise(starts))
+    spans = list(itertools.pairwise(t for t, _ in _marks(events, marker)))
     if not spans:
         return {"marker": marker, "count": 0}
     lengths = sorted(b - a for a, b in spans)
@@ -232,9 +231,9 @@ def steps_summary(
     }
 
 
-def _marker_starts(events: list[dict[str, Any]], marker: str) -> list[float]:
-    """Start times of the host events whose names start with ``marker``, in order."""
-    return sorted(float(e["ts"]) for e in events
+def _marks(events: list[dict[str, Any]], marker: str) -> list[tuple[float, str]]:
+    """(start, name) of the host events whose names start with ``marker``, in order."""
+    return sorted((float(e["ts"]), str(e["name"])) for e in events
                   if str(e.get("name", "")).startswith(marker)
                   and e.get("cat") not in GPU_CATS and e.get("cat") != "gpu_user_annotation")  # fmt: skip
 
@@ -255,9 +254,7 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
     into the next step. Per kind: steps, CUDA graph launches, host time (sum and median of
     the spans) and the device time of the step's kernels, attention and the rest. The sums
     over the kinds account for the traced window between the first and the last marker."""
-    marks = sorted((float(e["ts"]), str(e["name"])) for e in events
-                   if str(e.get("name", "")).startswith(marker)
-                   and e.get("cat") not in GPU_CATS and e.get("cat") != "gpu_user_annotation")  # fmt: skip
+    marks = _marks(events, marker)
     spans = [(a, b, name) for (a, name), (b, _) in itertools.pairwise(marks)]
     if not spans:
         return {"marker": marker, "steps": 0, "kinds": {}}
@@ -327,6 +324,15 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
     }
 
 
+def summary(events: list[dict[str, Any]], gap_us: float, step_marker: str | None) -> dict:
+    """:func:`summarize`, with ``steps`` and ``step_kinds`` when ``step_marker`` is given."""
+    out = summarize(events, gap_us)
+    if step_marker:
+        out["steps"] = steps_summary(events, step_marker, gap_us)
+        out["step_kinds"] = step_kinds(events, step_marker)
+    return out
+
+
 def summarize_traces(
     folder: Path, gap_us: float = 50.0, step_marker: str | None = None
 ) -> dict[str, dict]:
@@ -337,11 +343,7 @@ def summarize_traces(
     for p in files:
         key = str(p.relative_to(folder))
         try:
-            events = load(p)
-            out[key] = summarize(events, gap_us)
-            if step_marker:
-                out[key]["steps"] = steps_summary(events, step_marker, gap_us)
-                out[key]["step_kinds"] = step_kinds(events, step_marker)
+            out[key] = summary(load(p), gap_us, step_marker)
         except (OSError, ValueError, KeyError) as e:
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -383,10 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             name = p.name.removesuffix(".gz").removesuffix(".json")
             data = json.dumps({"traceEvents": slim(events)}).encode()
             (args.slim / f"{name}.slim.json.gz").write_bytes(gzip.compress(data))
-        result[str(p)] = summarize(events, args.gap_us)
-        if args.step_marker:
-            result[str(p)]["steps"] = steps_summary(events, args.step_marker, args.gap_us)
-            result[str(p)]["step_kinds"] = step_kinds(events, args.step_marker)
+        result[str(p)] = summary(events, args.gap_us, args.step_marker)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -237,3 +237,20 @@ def test_vllm_kv_floor_forward_reads_each_page_once_per_layer() -> None:
     pytest.importorskip("triton")
     # Pages found once a step (its first layer), read by every layer; the output zeros.
     assert _interpreted(VLLM_FORWARD)[-3:] == [str(float((3 + 4 + 7 + 9) * 3 * 2)), "0", "2"]
+
+
+def test_step_pages_are_found_at_each_steps_first_layer() -> None:
+    """Once per step: at its first layer, whether the engine hands over a new step object
+    (vLLM's metadata) or the same one again (SGLang's batch in a graph's warm-up and
+    capture), and again for another object mid-way."""
+    found: list[int] = []
+
+    def find() -> tuple[torch.Tensor, torch.Tensor]:
+        found.append(1)
+        return torch.zeros(1), torch.tensor([len(found)])
+
+    pages = kv_floor.StepPages()
+    batch = object()
+    counts = [int(pages.get(batch, layer, find)[1]) for layer in (0, 1, 2, 0, 1, 2)]
+    assert counts == [1, 1, 1, 2, 2, 2]
+    assert int(pages.get(object(), 3, find)[1]) == 3 and len(found) == 3

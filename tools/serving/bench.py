@@ -85,7 +85,8 @@ BACKENDS = {
     "vllm": ("bound", "prefixattn", "FLASH_ATTN", "FLASHINFER"),
     "sglang": ("bound", "prefixattn", "fa3", "triton", "flashinfer"),
 }
-FLOORS = {"vllm": ("readfloor",), "sglang": ("readfloor",)}
+READ_FLOOR = "readfloor"
+FLOORS = {"vllm": (READ_FLOOR,), "sglang": (READ_FLOOR,)}
 """Backends run only when named: the bound plus the step's distinct KV read once per layer
 (``tools/kv_floor.py``), the most any exact attention backend can reach on the same traffic."""
 BOUND = "bound"
@@ -194,12 +195,8 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
         return {**env, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     from tools.sglang.core_options import engine_env
 
-    if backend == "readfloor":  # the floor's plugin, for the spawned scheduler
-        from tools.sglang.noattn import kv_floor_plugin_env
-
-        full = kv_floor_plugin_env(scratch / "kvfloor-plugin")
-    else:
-        full = engine_env(backend, scratch, bound=backend == BOUND) or {}
+    full = engine_env(backend, scratch, bound=backend == BOUND, read_floor=backend == READ_FLOOR)
+    full = full or {}
     if args.profile is not None:
         from tools.sglang.stepmark import plugin_env
 

@@ -42,12 +42,17 @@ def plugin_env(
 
 
 def engine_env(
-    backend: str, folder: Path, bound: bool, floor_tokens: int | None = None
+    backend: str,
+    folder: Path,
+    bound: bool,
+    floor_tokens: int | None = None,
+    read_floor: bool = False,
 ) -> dict[str, str] | None:
     """The environment of ``backend``'s SGLang engine, which all its processes inherit: with
     ``bound``, the attention-free bound's plugin (``folder/noattn-plugin``,
     ``tools/sglang/noattn.py``); with ``floor_tokens``, the ``prefixfloor`` plugin of that
-    prefix length (``folder/floor-plugin``); for a variant with options
+    prefix length (``folder/floor-plugin``); with ``read_floor``, the ``kvfloor`` plugin
+    (``folder/kvfloor-plugin``); for a variant with options
     (``tools/variants.py``), a plugin that sets them (``folder/core-options``); else None (the
     benchmark's own)."""
     if bound:
@@ -58,5 +63,9 @@ def engine_env(
         from tools.sglang.noattn import floor_plugin_env
 
         return floor_plugin_env(folder / "floor-plugin", floor_tokens)
+    if read_floor:
+        from tools.sglang.noattn import kv_floor_plugin_env
+
+        return kv_floor_plugin_env(folder / "kvfloor-plugin")
     _, changes = parse_variant(backend)
     return plugin_env(folder / "core-options", changes) if changes else None

@@ -130,7 +130,7 @@ def kv_floor_class() -> type:
     once per layer (``tools/kv_floor.py``; page size 1: each token a page)."""
     import torch
 
-    from tools.kv_floor import distinct_pages, first_reads, read_pages, sink_for
+    from tools.kv_floor import StepPages, distinct_pages, first_reads, read_pages, sink_for
 
     class KvFloorBackend(backend_class()):  # type: ignore[misc]
         """The bound, plus each layer's K and V of the tokens the step's requests reach,
@@ -144,19 +144,18 @@ def kv_floor_class() -> type:
             if device.index is None:
                 device = torch.device(device.type, torch.cuda.current_device())
             self.sink = sink_for(device)
-            # The current step's (last layer read, pages, count): found at its first layer (a
-            # forward starts again at a lower layer; SGLang reuses one batch object for the
-            # warm-up runs and the capture of a decode graph, so its identity says nothing).
-            self.step_reads: tuple[int, Any, Any] = (-1, None, None)
+            self.step_pages = StepPages()
 
         def _read(self, layer: Any, forward_batch: Any) -> None:
             k = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            last, pages, count = self.step_reads
-            if pages is None or layer.layer_id <= last:
-                table = self.req_to_token[forward_batch.req_pool_indices]
-                first = first_reads(table, forward_batch.seq_lens, 1, k.shape[0])
-                pages, count = distinct_pages(*first)
-            self.step_reads = (layer.layer_id, pages, count)
+            pages, count = self.step_pages.get(
+                forward_batch,
+                layer.layer_id,
+                lambda: distinct_pages(*first_reads(
+                    self.req_to_token[forward_batch.req_pool_indices], forward_batch.seq_lens,
+                    1, k.shape[0],
+                )),
+            )  # fmt: skip
             v = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             read_pages([k, v], pages, count, self.sink)
 
@@ -179,24 +178,26 @@ def kv_floor_class() -> type:
     return KvFloorBackend
 
 
+def _mha_only(model_runner: Any, name: str) -> None:
+    if getattr(model_runner, "use_mla_backend", False):
+        raise ValueError(f"the {name} bound serves MHA/GQA models; this model uses MLA")
+
+
 def create_backend(model_runner: Any) -> Any:
     """SGLang attention-registry factory: ``fn(model_runner) -> AttentionBackend``."""
-    if getattr(model_runner, "use_mla_backend", False):
-        raise ValueError("the noattn bound serves MHA/GQA models; this model uses MLA")
+    _mha_only(model_runner, NAME)
     return backend_class()(model_runner)
 
 
 def create_floor(model_runner: Any) -> Any:
     """SGLang attention-registry factory of ``prefixfloor``."""
-    if getattr(model_runner, "use_mla_backend", False):
-        raise ValueError("the prefixfloor bound serves MHA/GQA models; this model uses MLA")
+    _mha_only(model_runner, FLOOR)
     return floor_class()(model_runner)
 
 
 def create_kv_floor(model_runner: Any) -> Any:
     """SGLang attention-registry factory of ``kvfloor``."""
-    if getattr(model_runner, "use_mla_backend", False):
-        raise ValueError("the kvfloor bound serves MHA/GQA models; this model uses MLA")
+    _mha_only(model_runner, KV_FLOOR)
     return kv_floor_class()(model_runner)
 
 

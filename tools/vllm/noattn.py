@@ -133,9 +133,8 @@ class PrefixFloorBackend(NoAttentionBackend):
 
 KV_FLOOR = "KVFLOOR"
 KV_FLOOR_PATH = "tools.vllm.noattn.KvFloorBackend"
-_STEP_READS: list[Any] = [None, -1, None, None]
-"""The current step's (metadata, last layer index read, pages, count): found once per step,
-at its first layer (a forward starts again at a lower layer index, or with new metadata)."""
+_STEP_PAGES: Any = None
+"""The step's pages to read (``tools.kv_floor.StepPages``), one for all layers' impls."""
 
 
 def _layer_index(layer: Any) -> int:
@@ -168,7 +167,7 @@ class KvFloorImpl(NoAttentionImpl):
         output.zero_()
         if attn_metadata is None:  # vLLM's memory-profiling run
             return output
-        from tools.kv_floor import distinct_pages, first_reads, read_pages
+        from tools.kv_floor import StepPages, distinct_pages, first_reads, read_pages
 
         if tuple(getattr(self, "sliding_window", (-1, -1))) != (-1, -1):
             raise ValueError("KVFLOOR: the floor reads whole contexts; this layer has a window")
@@ -177,15 +176,18 @@ class KvFloorImpl(NoAttentionImpl):
                 f"KVFLOOR: KV cache {tuple(kv_cache.shape)} is not FLASH_ATTN's "
                 "[pages, kv heads, block_size, 2 x head_size]"
             )
-        index = _layer_index(layer)
-        if _STEP_READS[0] is not attn_metadata or index <= _STEP_READS[1]:
-            pages, first = first_reads(
+        global _STEP_PAGES
+        if _STEP_PAGES is None:
+            _STEP_PAGES = StepPages()
+        pages, count = _STEP_PAGES.get(
+            attn_metadata,
+            _layer_index(layer),
+            lambda: distinct_pages(*first_reads(
                 attn_metadata.block_table, attn_metadata.seq_lens, kv_cache.shape[2],
                 kv_cache.shape[0],
-            )  # fmt: skip
-            _STEP_READS[:] = [attn_metadata, index, *distinct_pages(pages, first)]
-        _STEP_READS[1] = index
-        read_pages([kv_cache.transpose(1, 2)], _STEP_READS[2], _STEP_READS[3], self.sink)
+            )),
+        )  # fmt: skip
+        read_pages([kv_cache.transpose(1, 2)], pages, count, self.sink)
         return output
 
 
