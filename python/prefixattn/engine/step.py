@@ -194,24 +194,36 @@ def _batch_key(num_real: int, rows: Any, ids: Any) -> _BatchKey:
 
 
 @dataclasses.dataclass
-class _RunHint:
-    """The aligned hint of a decode run's first step and where the run stands."""
+class _Run:
+    """A decode run: the batch and lengths of its first step, and the steps since."""
 
     key: _BatchKey
-    lens: np.ndarray  # the requests' lengths at the run's first step
-    steps: int  # steps since it
+    lens: np.ndarray
+    steps: int = 0
+
+    def continued_by(self, key: _BatchKey, lens: np.ndarray) -> bool:
+        """Is a step of batch ``key`` with lengths ``lens`` this run's next step (the same
+        requests in the same rows, one token more each per step, fewer than
+        :data:`HINT_REFRESH_STEPS` steps)? If so the run counts it."""
+        steps = self.steps + 1
+        if (
+            self.key == key
+            and steps < HINT_REFRESH_STEPS
+            and np.array_equal(lens, self.lens + steps)
+        ):
+            self.steps = steps
+            return True
+        return False
+
+
+@dataclasses.dataclass
+class _RunHint:
+    """The aligned hint of a decode run's first step and the run it serves."""
+
+    run: _Run
     aligned: np.ndarray
     source: np.ndarray  # the hint it was aligned from
     checked: bool = False  # against the copy of the run's first step's own rows
-
-
-def _continues(
-    run_key: _BatchKey, run_lens: np.ndarray, steps: int, key: _BatchKey, lens: np.ndarray
-) -> bool:
-    """Is a step of batch ``key`` with lengths ``lens`` the ``steps``-th step of the decode
-    run that began with batch ``run_key`` at lengths ``run_lens``: the same requests in the
-    same rows, one token more each per step, fewer than :data:`HINT_REFRESH_STEPS` steps?"""
-    return run_key == key and steps < HINT_REFRESH_STEPS and np.array_equal(lens, run_lens + steps)
 
 
 def _agrees(aligned: np.ndarray, copy: np.ndarray) -> bool:
@@ -520,9 +532,9 @@ class StepPlanner:
         creates it)."""
         self._eager: PrefixAttention | None = None
         self._hint_view: tuple[np.ndarray, bytes, np.ndarray] | None = None
-        self._hint_run: tuple[_BatchKey, np.ndarray, int] | None = None
-        """(batch key, lengths, steps since) of the last step whose rows were copied as a
-        hint; see :meth:`_hint_is_current`."""
+        self._hint_run: _Run | None = None
+        """The run of the last step whose rows were copied as a hint; see
+        :meth:`_hint_is_current`."""
         self._taught_by_running = False
         """The probe's verdict and the hint come from a batch that was not only prefills
         (:meth:`teaches`)."""
@@ -695,7 +707,8 @@ class StepPlanner:
                     # A hint that described every request is kept for the decode run this
                     # step may start (_continued_hint).
                     lens = np.array(seq_lens[:num_real], dtype=np.int64)
-                    self._run_hint = _RunHint(key, lens, 0, hint, choice.hint) if complete else None
+                    run = _Run(key, lens)
+                    self._run_hint = _RunHint(run, hint, choice.hint) if complete else None
                 plan = attention.plan_hinted(
                     table, hint, seq_lens, qo_indptr, rows=rows, private=private
                 )
@@ -752,24 +765,22 @@ class StepPlanner:
         a running request's new pages are. Once that copy has landed (``newest``, the hint
         the step was given), the kept hint is compared with it where both know a page: a
         request matched to another request's row ends the run, which then takes the copy."""
-        run = self._run_hint
-        if run is None:
+        kept = self._run_hint
+        if kept is None:
             return None
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
-        steps = run.steps + 1
-        if not _continues(run.key, run.lens, steps, key, lens):
+        if not kept.run.continued_by(key, lens):
             self._run_hint = None
             return None
-        if not run.checked and newest is not run.source:
+        if not kept.checked and newest is not kept.source:
             then = self.table_hint.lens
-            if then is not None and np.array_equal(then, run.lens):  # the first step's copy
-                run.checked = True
-                if not _agrees(run.aligned, newest):
+            if then is not None and np.array_equal(then, kept.run.lens):  # the first step's copy
+                kept.checked = True
+                if not _agrees(kept.aligned, newest):
                     self._run_hint = None
                     return None
-        run.steps = steps
         self.hint_rows["kept"] += num_real
-        return run.aligned
+        return kept.aligned
 
     def _aligned_hint(
         self,
@@ -853,13 +864,9 @@ class StepPlanner:
         or took several tokens) the rows are looked at again."""
         lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         key = _batch_key(num_real, rows, ids)
-        if self._hint_run is not None:
-            last_key, last_lens, steps = self._hint_run
-            steps += 1
-            if _continues(last_key, last_lens, steps, key, lens):
-                self._hint_run = (last_key, last_lens, steps)
-                return True
-        self._hint_run = (key, lens, 0)
+        if self._hint_run is not None and self._hint_run.continued_by(key, lens):
+            return True
+        self._hint_run = _Run(key, lens)
         return False
 
     def plan_host(
