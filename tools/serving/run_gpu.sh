@@ -7,7 +7,8 @@
 #   run     GPU 0: `python -m tools.serving.bench --engine vllm $VLLM_ARGS`;
 #           GPU 1: `python -m tools.serving.bench --engine sglang $SGLANG_ARGS`
 #           (either may be empty: that engine does not run), each under BUDGET seconds in its
-#           own process group; then slim copies of their profiles' traces
+#           own process group, at once; on a machine of one GPU both run on it, one after
+#           the other (2 x BUDGET). Then slim copies of their profiles' traces
 #           (`tools/trace_summary.py --slim`) in $OUT/slim.
 #
 #   VLLM_STACK=/root/site33 SGLANG_STACK=/root/site-sgl23 bash tools/serving/run_gpu.sh setup
@@ -65,26 +66,33 @@ case "${1:-}" in
     PYTHONPATH=$vllm_path run python3 -m prefixattn.cli info
     ;;
   run)
+    [ -n "${VLLM_ARGS:-}${SGLANG_ARGS:-}" ] || {
+      echo "run_gpu.sh run: set VLLM_ARGS and/or SGLANG_ARGS" >&2
+      exit 2
+    }
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    sglang_gpu=1
+    [ "${gpus:-0}" -ge 2 ] || sglang_gpu=0
     pids=()
     if [ -n "${VLLM_ARGS:-}" ]; then
       # shellcheck disable=SC2086
       (CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$vllm_path run setsid timeout -k 10 "$BUDGET" \
         python3 -m tools.serving.bench --engine vllm --budget $((BUDGET - 20)) \
         --out "$OUT/vllm.json" $VLLM_ARGS >"$OUT/vllm.log" 2>&1) &
-      pids+=($!)
+      if [ "$sglang_gpu" = 1 ]; then
+        pids+=($!)
+      else # one GPU: SGLang waits for vLLM to finish
+        wait $! || rc_first=1
+      fi
     fi
     if [ -n "${SGLANG_ARGS:-}" ]; then
       # shellcheck disable=SC2086
-      (CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$sglang_path run setsid timeout -k 10 "$BUDGET" \
-        python3 -m tools.serving.bench --engine sglang --budget $((BUDGET - 20)) \
+      (CUDA_VISIBLE_DEVICES=$sglang_gpu PYTHONPATH=$sglang_path run setsid timeout -k 10 \
+        "$BUDGET" python3 -m tools.serving.bench --engine sglang --budget $((BUDGET - 20)) \
         --out "$OUT/sglang.json" $SGLANG_ARGS >"$OUT/sglang.log" 2>&1) &
       pids+=($!)
     fi
-    [ ${#pids[@]} -gt 0 ] || {
-      echo "run_gpu.sh run: set VLLM_ARGS and/or SGLANG_ARGS" >&2
-      exit 2
-    }
-    rc=0
+    rc=${rc_first:-0}
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     [ "${DRY_RUN:-0}" = 1 ] && cat "$OUT"/*.log
     for log in "$OUT"/vllm.log "$OUT"/sglang.log; do [ -f "$log" ] && tail -n 15 "$log"; done
