@@ -77,21 +77,32 @@ def _kernel() -> Any:
     @triton.jit
     def read_pages_kernel(
         a_ptr, b_ptr, pages_ptr, count_ptr, sink_ptr, page_stride,
-        PAGE: tl.constexpr, CHUNK: tl.constexpr, TWO: tl.constexpr,
+        PAGE: tl.constexpr, CHUNK: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # Each program takes BLOCK pages at a time: BLOCK x CHUNK elements per load, so that
+        # small pages (SGLang's one-token pages) still keep enough bytes in flight.
         pid = tl.program_id(0)
-        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK, CHUNK], dtype=tl.float32)
         offs = tl.arange(0, CHUNK)
+        rows = tl.arange(0, BLOCK)
         n = tl.load(count_ptr)
-        for i in range(pid, n, tl.num_programs(0)):
-            base = tl.load(pages_ptr + i) * page_stride
+        for first in range(pid * BLOCK, n, step):
+            at = first + rows
+            live = at < n
+            base = tl.load(pages_ptr + at, mask=live, other=0) * page_stride
             for off in range(0, PAGE, CHUNK):
-                acc += tl.load(a_ptr + base + off + offs).to(tl.float32)
+                ptrs = base[:, None] + off + offs[None, :]
+                acc += tl.load(a_ptr + ptrs, mask=live[:, None], other=0.0).to(tl.float32)
                 if TWO:
-                    acc += tl.load(b_ptr + base + off + offs).to(tl.float32)
-        tl.atomic_add(sink_ptr + pid, tl.sum(acc, axis=0))
+                    acc += tl.load(b_ptr + ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        tl.atomic_add(sink_ptr + pid, tl.sum(acc))
 
     return read_pages_kernel
+
+
+# Elements one program loads at a time (BLOCK pages of CHUNK elements).
+LOAD_ELEMENTS = 8192
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -106,13 +117,19 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def read_pages(
-    planes: list[torch.Tensor], pages: torch.Tensor, count: torch.Tensor, sink: torch.Tensor
+    planes: list[torch.Tensor],
+    pages: torch.Tensor,
+    count: torch.Tensor,
+    sink: torch.Tensor,
+    block: int | None = None,
 ) -> None:
     """Read the first ``count`` pages listed in ``pages`` (from :func:`distinct_pages`) once
     from each plane: one or two tensors ``[num_pages, ...]`` of one shape and strides (K and
     V apart, or one plane whose pages hold both) whose pages ``plane[p]`` each fill a
     gap-free span of memory; their sum goes into ``sink`` (float32 on the device, one entry
-    per program: its length sets the programs). Other planes raise ``ValueError``."""
+    per program: its length sets the programs). Other planes raise ``ValueError``.
+    ``block``: pages a program loads at once (a power of two; default: as many as make
+    :data:`LOAD_ELEMENTS` elements)."""
     if not 1 <= len(planes) <= 2:
         raise ValueError(f"kv floor: one or two KV planes, got {len(planes)}")
     a, b = planes[0], planes[-1]
@@ -125,9 +142,13 @@ def read_pages(
     if not _dense(a[0]) or a.stride(0) < page:
         raise ValueError("kv floor: a KV page does not fill one span of the cache's memory")
     chunk = min(4096, page & -page)  # the largest power of two dividing the page, at most 4K
+    block = LOAD_ELEMENTS // chunk if block is None else block
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"kv floor: block {block} is not a power of two")
     _kernel()[(sink.numel(),)](
-        a, b, pages, count, sink, a.stride(0), PAGE=page, CHUNK=chunk, TWO=len(planes) == 2
-    )
+        a, b, pages, count, sink, a.stride(0),
+        PAGE=page, CHUNK=chunk, TWO=len(planes) == 2, BLOCK=block,
+    )  # fmt: skip
 
 
 class StepPages:
@@ -160,3 +181,77 @@ def sink_for(device: torch.device) -> torch.Tensor:
     """A sink with four programs per SM of ``device``."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return torch.zeros(4 * sms, dtype=torch.float32, device=device)
+
+
+def bench(
+    tokens: int,
+    page_tokens: int,
+    *,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    layers: int = 8,
+    reps: int = 10,
+    blocks: tuple[int | None, ...] = (1, None),
+) -> dict[str, Any]:
+    """The read's rate on this GPU: ``tokens`` distinct KV tokens (K and V, bf16) in pages of
+    ``page_tokens``, scattered over a cache twice that size, read by :func:`read_pages` with
+    each ``block`` (None: the default), against one ``sum`` over the same bytes laid out
+    densely. ``layers`` caches take turns, so that no read hits L2. GB/s, from CUDA events
+    over ``reps`` rounds of all layers."""
+    dev = torch.device("cuda")
+    num = -(-tokens // page_tokens)
+    shape = (2 * num, page_tokens, kv_heads, head_dim)
+    caches = [
+        [torch.ones(shape, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+        for _ in range(layers)
+    ]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    pages = torch.randperm(2 * num, generator=gen)[:num].to(dev)
+    count = torch.tensor([num], dtype=torch.int64, device=dev)
+    sink = sink_for(dev)
+    dense = [torch.ones(2 * num * page_tokens * kv_heads * head_dim, dtype=torch.bfloat16,
+                        device=dev) for _ in range(layers)]  # fmt: skip
+    nbytes = dense[0].numel() * dense[0].element_size()
+
+    def rate(read: Callable[[int], None]) -> float:
+        for i in range(layers):
+            read(i)  # compiles, warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            for i in range(layers):
+                read(i)
+        end.record()
+        end.synchronize()
+        return round(nbytes * reps * layers / (start.elapsed_time(end) * 1e-3) / 1e9, 1)
+
+    out: dict[str, Any] = {"tokens": tokens, "page_tokens": page_tokens, "mb_per_layer":
+                           round(nbytes / 1e6, 1), "dense_sum_gb_s": rate(lambda i: dense[i].sum())}  # fmt: skip
+    for block in blocks:
+        key = f"read_pages_block_{block or 'default'}_gb_s"
+        out[key] = rate(lambda i, b=block: read_pages(caches[i], pages, count, sink, b))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.kv_floor --tokens 53000 --page-tokens 1 16``: :func:`bench`, one JSON
+    line per page size."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="The KV floor's read rate on this GPU")
+    ap.add_argument("--tokens", type=int, default=53248, help="distinct KV tokens per layer")
+    ap.add_argument("--page-tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 0], help="0: the default")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    blocks = tuple(b or None for b in args.blocks)
+    for pt in args.page_tokens:
+        print(json.dumps(bench(args.tokens, pt, reps=args.reps, blocks=blocks)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -105,6 +105,8 @@ def test_pages_must_each_fill_one_span() -> None:
         kv_floor.read_pages([cache, cache[:5]], torch.zeros(1), torch.zeros(1), torch.zeros(1))
     with pytest.raises(ValueError, match="one span"):
         kv_floor.read_pages([cache[..., :128]], torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ValueError, match="not a power of two"):
+        kv_floor.read_pages([cache], torch.zeros(1), torch.zeros(1), torch.zeros(1), block=3)
 
 
 @pytest.mark.gpu
@@ -172,6 +174,19 @@ for planes in ([k, k.clone()], [k], [vllm_cache.transpose(1, 2)]):
     sink = torch.zeros(8)
     kv_floor.read_pages(planes, packed, count, sink)
     print(float(sink.sum()) / (len(planes) * planes[0][0].numel()))
+# SGLang's pools: one token a page, [tokens, heads, dims], K and V apart; 37 rows of a table
+# over 300 pages, so that the count is no multiple of the pages a program loads at once.
+pool = torch.arange(300, dtype=torch.float32)[:, None, None].expand(300, 8, 128)
+pool = pool.to(torch.bfloat16).contiguous()
+gen = torch.Generator().manual_seed(1)
+table = torch.randint(0, 300, (37, 50), generator=gen, dtype=torch.int32)
+lens = torch.randint(0, 51, (37,), generator=gen, dtype=torch.int32)
+packed, count = kv_floor.distinct_pages(*kv_floor.first_reads(table, lens, 1, 300))
+used = {int(table[r, c]) for r in range(37) for c in range(int(lens[r]))}
+for block in (1, 4, None):
+    sink = torch.zeros(5)
+    kv_floor.read_pages([pool, pool.clone()], packed, count, sink, block)
+    print(float(sink.sum()) / (2 * 8 * 128) == sum(used))
 """
 
 
@@ -179,9 +194,11 @@ def test_read_pages_in_tritons_interpreter() -> None:
     """The read kernel on the CPU, in Triton's interpreter (where Triton is installed, as in
     the engines' environments; a process of its own, since Triton reads the switch once):
     two planes, one plane, and vLLM's cache whose pages hold K and V in one span. Each
-    reads pages 3, 4, 9 and 5 once: the sums over a page's elements are 21 per element."""
+    reads pages 3, 4, 9 and 5 once: the sums over a page's elements are 21 per element. Then
+    SGLang's one-token pages, loaded one, four and the default number at a time by each
+    program: each distinct page once."""
     pytest.importorskip("triton")
-    assert _interpreted(INTERPRETED) == ["21.0", "21.0", "21.0"]
+    assert _interpreted(INTERPRETED) == ["21.0", "21.0", "21.0", "True", "True", "True"]
 
 
 def _interpreted(code: str) -> list[str]:
