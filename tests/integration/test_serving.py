@@ -644,7 +644,7 @@ def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
 
 def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
     """tools/serving/run_gpu.sh (DRY_RUN=1: the commands only): vLLM on GPU 0 and SGLang on
-    GPU 1, each with its own stack on the path; cutlass's folder for SGLang (its .pth is not
+    GPU 1 (on a machine of one GPU, both on GPU 0), each with its own stack on the path; cutlass's folder for SGLang (its .pth is not
     read from a --target install) and the SGLang stack's torchvision for vLLM."""
     root = Path(__file__).resolve().parents[2]
     vstack, sstack = tmp_path / "v", tmp_path / "s"
@@ -654,7 +654,7 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
     vstack.mkdir()
     out = tmp_path / "out"
     env = {**os.environ, "DRY_RUN": "1", "VLLM_STACK": str(vstack), "SGLANG_STACK": str(sstack),
-           "PA": "/pa", "OUT": str(out), "BUDGET": "300",
+           "PA": "/pa", "OUT": str(out), "BUDGET": "300", "GPUS": "2",
            "VLLM_ARGS": "--workloads forest --backends bound readfloor",
            "SGLANG_ARGS": "--workloads forest --profile /tmp/none"}  # fmt: skip
     done = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"], env=env,
@@ -673,6 +673,14 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
                              env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
+    # One GPU: both engines on it (one after the other).
+    one = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"],
+                         env={**env, "GPUS": "1"},
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    assert "CUDA_VISIBLE_DEVICES=1" not in one.stdout
+    assert f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/pa:{vstack}:{out}/torchvision-path " in one.stdout
+    assert f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/pa:{sstack}:{cutlass}:{vstack} " in one.stdout
 
 
 def test_sglang_step_marker_wraps_each_forward_once(monkeypatch) -> None:

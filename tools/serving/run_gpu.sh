@@ -19,7 +19,8 @@
 # Env: VLLM_STACK, SGLANG_STACK (the engines' package folders; the SGLang stack may lack
 # torch, which then comes from the vLLM stack after it), PA (prefixattn's folder, default
 # /root/pa), OUT (results and logs, default /tmp/serving-gpu), BUDGET (seconds for the
-# benchmarks, default 560), DRY_RUN=1 (print the commands only).
+# benchmarks, default 560), GPUS (the machine's GPUs, default: as nvidia-smi lists them),
+# DRY_RUN=1 (print the commands only).
 # Where a stack was installed with `pip --target`, its .pth files are not read: the one that
 # nvidia-cutlass-dsl relies on (SGLang's `import cutlass`) is replaced by putting its
 # dsl_packages folder on the path. The image's torchvision does not load beside a newer
@@ -70,7 +71,7 @@ case "${1:-}" in
       echo "run_gpu.sh run: set VLLM_ARGS and/or SGLANG_ARGS" >&2
       exit 2
     }
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
     sglang_gpu=1
     [ "${gpus:-0}" -ge 2 ] || sglang_gpu=0
     pids=()
