@@ -693,20 +693,22 @@ class StepPlanner:
         prefill_only: bool,
     ) -> LaunchPlan:
         real_ids = None if ids is None else np.asarray(ids)[:num_real]
+        # The batch and its lengths (a copy: engines refill their host buffers in place),
+        # which the decode runs of the hint and of the rows' copy are kept by.
+        key = _batch_key(num_real, rows, real_ids)
+        lens = np.array(seq_lens[:num_real], dtype=np.int64)
         with record_function("prefixattn.plan"):
             if choice.kind == "unshared":
                 plan = attention.plan_unshared(table, seq_lens, qo_indptr, rows=rows)
             elif choice.kind == "hinted":
                 assert choice.hint is not None
-                key = _batch_key(num_real, rows, real_ids)
-                hint = self._continued_hint(key, seq_lens, num_real, choice.hint)
+                hint = self._continued_hint(key, lens, num_real, choice.hint)
                 if hint is None:
                     hint, complete = self._aligned_hint(
                         choice.hint, seq_lens, qo_indptr, num_real, real_ids
                     )
                     # A hint that described every request is kept for the decode run this
                     # step may start (_continued_hint).
-                    lens = np.array(seq_lens[:num_real], dtype=np.int64)
                     run = _Run(key, lens)
                     self._run_hint = _RunHint(run, hint, choice.hint) if complete else None
                 plan = attention.plan_hinted(
@@ -717,9 +719,7 @@ class StepPlanner:
         if choice.kind != "hinted":
             self._run_hint = None
         self.plan_kinds[choice.kind] += 1
-        if not self.teaches(prefill_only=prefill_only) or self._hint_is_current(
-            seq_lens, rows, num_real, real_ids
-        ):
+        if not self.teaches(prefill_only=prefill_only) or self._hint_is_current(key, lens):
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
             return plan
@@ -751,7 +751,7 @@ class StepPlanner:
         return not self._taught_by_running
 
     def _continued_hint(
-        self, key: _BatchKey, seq_lens: np.ndarray, num_real: int, newest: np.ndarray
+        self, key: _BatchKey, lens: np.ndarray, num_real: int, newest: np.ndarray
     ) -> np.ndarray | None:
         """The aligned hint of the step before, where this step continues that step's batch
         as a decode run (the same requests in the same rows, one token more each, fewer than
@@ -768,7 +768,6 @@ class StepPlanner:
         kept = self._run_hint
         if kept is None:
             return None
-        lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
         if not kept.run.continued_by(key, lens):
             self._run_hint = None
             return None
@@ -851,19 +850,15 @@ class StepPlanner:
             self._next_log = (total // COUNT_LOG_STEPS + 1) * COUNT_LOG_STEPS
             logger.warning("prefixattn step planner counts: %s", self.counts())
 
-    def _hint_is_current(
-        self, seq_lens: np.ndarray, rows: Any, num_real: int, ids: Any = None
-    ) -> bool:
-        """True while the batch is the one whose rows were last looked at, every request some
-        steps further by one token per step (the same request ids ``ids`` of the real
-        requests, where the engine gives them), for fewer than :data:`HINT_REFRESH_STEPS`
+    def _hint_is_current(self, key: _BatchKey, lens: np.ndarray) -> bool:
+        """True while the batch ``key`` (:func:`_batch_key`: its real requests, their rows
+        and ids) is the one whose rows were last looked at, every request (``lens``, int64)
+        some steps further by one token per step, for fewer than :data:`HINT_REFRESH_STEPS`
         steps: a decode run. Its pages past the copy are unknown to the hint, so planned as
         private, which a decode run's new pages are; copying the whole table again every step
         (O(requests x context) host work at page size 1) would tell nothing more, and its
         requests keep their first pages (the probe's verdict). Otherwise (requests joined, left, moved
         or took several tokens) the rows are looked at again."""
-        lens = np.asarray(seq_lens[:num_real], dtype=np.int64)
-        key = _batch_key(num_real, rows, ids)
         if self._hint_run is not None and self._hint_run.continued_by(key, lens):
             return True
         self._hint_run = _Run(key, lens)
