@@ -228,8 +228,12 @@ def bench(
         end.synchronize()
         return round(nbytes * reps * layers / (start.elapsed_time(end) * 1e-3) / 1e9, 1)
 
-    out: dict[str, Any] = {"tokens": tokens, "page_tokens": page_tokens, "mb_per_layer":
-                           round(nbytes / 1e6, 1), "dense_sum_gb_s": rate(lambda i: dense[i].sum())}  # fmt: skip
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "page_tokens": page_tokens,
+        "mb_per_layer": round(nbytes / 1e6, 1),
+        "dense_sum_gb_s": rate(lambda i: dense[i].sum()),
+    }
     for block in blocks:
 
         def read(i: int, block: int | None = block) -> None:

@@ -196,12 +196,11 @@ def worker_env(args: argparse.Namespace, backend: str, scratch: Path) -> dict[st
     from tools.sglang.core_options import engine_env
 
     full = engine_env(backend, scratch, bound=backend == BOUND, read_floor=backend == READ_FLOOR)
-    full = full or {}
     if args.profile is not None:
         from tools.sglang.stepmark import plugin_env
 
-        full = plugin_env(scratch / "stepmark", full or None)
-    return {k: v for k, v in full.items() if os.environ.get(k) != v}
+        full = plugin_env(scratch / "stepmark", full)  # None: on this process's environment
+    return {k: v for k, v in (full or {}).items() if os.environ.get(k) != v}
 
 
 def gpu_name() -> str | None:
