@@ -510,3 +510,70 @@ def test_decode_run_advances_plans(page_size: int, advances: dict[str, int]):
     # Two plans (the hinted one and its fallback) per step from the third step on: the run
     # keeps the hint of its first hinted step, though the rows copied then have landed.
     assert advances["advanced"] == 2 * (steps - 2) and advances["refused"] == 0
+
+
+class _EngineBackend:
+    """Stands in for SGLang's flashinfer backend (which needs a GPU) where the routing around
+    it is tested: records the steps it was given; its output is all fives."""
+
+    def __init__(self) -> None:
+        self.steps: list[ForwardMode] = []
+        self.calls: list[str] = []
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.steps.append(forward_batch.forward_mode)
+
+    def _out(self, q: torch.Tensor, name: str) -> torch.Tensor:
+        self.calls.append(name)
+        return torch.full_like(q, 5.0)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._out(q, "decode")
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._out(q, "extend")
+
+
+def test_unshared_eager_steps_run_on_sglangs_backend():
+    """With flashinfer at hand (``delegate_backend``), an eager step the probe expects to
+    share nothing goes to it, metadata and every layer's forward; the step still teaches,
+    so the sharing it shows has the next step planned by prefixattn (and checked against
+    plain attention). ``delegate_unshared=False`` keeps every step on prefixattn."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    gen = torch.Generator().manual_seed(5)
+    rows, backend, pool, req_to_token = _setup(1, heads, kv_heads, head_dim)
+    assert backend.delegate_backend is None  # no flashinfer on a CPU device
+    fi = _EngineBackend()
+    backend.delegate_backend = fi
+    layer = _layer(0, heads, kv_heads, head_dim)
+    cached = sorted({s for row in rows for s in row})
+    k = torch.randn(len(cached), kv_heads, head_dim, generator=gen, dtype=DTYPE)
+    pool.set_kv_buffer(layer, torch.tensor(cached, dtype=torch.int64), k, torch.randn_like(k))
+    private = [rows[-1], rows[-2]]  # the request sharing nothing and the one on its own root
+    for i, row in enumerate(private):
+        req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    kinds = []
+    for batch_rows in (private, private, rows, rows):
+        for i, row in enumerate(batch_rows):
+            req_to_token[i + 1, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        batch = _forward_batch(ForwardMode.DECODE, batch_rows, [1] * len(batch_rows))
+        backend.init_forward_metadata(batch)
+        q = torch.randn(len(batch_rows), heads * head_dim, generator=gen, dtype=DTYPE)
+        k = torch.randn(len(batch_rows), kv_heads, head_dim, generator=gen, dtype=DTYPE)
+        out = backend.forward(q, k, torch.randn_like(k), layer, batch)
+        kinds.append("delegated" if backend.delegating else "prefixattn")
+        if not backend.delegating:
+            lens = [len(r) for r in batch_rows]
+            check_against_reference(pool, layer, batch_rows, lens, q, out)
+        else:
+            assert torch.all(out == 5.0) and backend.forward_metadata is None
+    # 1: nothing seen yet; 2: private seen; 3: delegated, shows sharing; 4: prefixattn again.
+    assert kinds == ["prefixattn", "delegated", "delegated", "prefixattn"]
+    assert fi.steps == [ForwardMode.DECODE] * 2 and fi.calls == ["decode"] * 2
+    assert backend.planner.plan_kinds["delegated"] == 2
+
+    off = PrefixAttnBackend(
+        _runner(1, heads, kv_heads, head_dim, 4), StepOptions(delegate_unshared=False)
+    )
+    off.planner.probe.observe(np.arange(3))  # a batch without sharing seen
+    assert off.planner.choose(2, decode=True, delegate=True).kind == "unshared"

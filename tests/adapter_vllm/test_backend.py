@@ -321,7 +321,7 @@ def test_steps_with_sharing_are_planned_from_an_earlier_table(
     assert kinds == [
         "copy", "hinted", "hinted-fallback", "unshared", "unshared", "hinted", "hinted-fallback"
     ]  # fmt: skip
-    assert builder.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
+    assert builder.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4, "delegated": 0}
     _options(monkeypatch, vllm_config, hinted_plans=False)
     off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     kinds = [_kind(off.build(0, shared.metadata(host_lens=True)).plan) for _ in range(3)]
@@ -499,7 +499,7 @@ def test_decode_run_advances_plans(vllm_config: VllmConfig, advances: dict[str, 
         out = metadata.attention.run(q, k_cache, v_cache, plan=metadata.plan)
         ref = attention_reference(q, k_cache, v_cache, table, batch.seq_lens)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-5)
-    assert builder.plan_kinds == {"copy": 1, "unshared": 0, "hinted": steps - 1}
+    assert builder.plan_kinds == {"copy": 1, "unshared": 0, "hinted": steps - 1, "delegated": 0}
     # Two plans (the hinted one and its fallback) per step from the third step on: the run
     # keeps the hint of its first hinted step, though the table copied then has landed.
     assert advances["advanced"] == 2 * (steps - 2) and advances["refused"] == 0
@@ -540,3 +540,87 @@ def test_hints_follow_the_runner_request_ids(vllm_config: VllmConfig) -> None:
     assert [_kind(step(same, 0)), _kind(step(same, 1)), _kind(step(moved, 2))] == [
         "copy", "hinted", "hinted-fallback"
     ]  # fmt: skip
+
+
+class _EngineKernel:
+    """Stands in for FLASH_ATTN's builder and impl (which need a GPU) where the routing around
+    them is tested: records what it was given, returns its own metadata."""
+
+    def __init__(self) -> None:
+        self.built: list[CommonAttentionMetadata] = []
+        self.forwarded: list[object] = []
+
+    def build(self, common_prefix_len: int, cm: CommonAttentionMetadata, fast_build: bool):
+        self.built.append(cm)
+        return ("flash_attn metadata", len(self.built))
+
+    def forward(self, layer, query, key, value, kv_cache, metadata, output):
+        self.forwarded.append(metadata)
+        return output.fill_(5.0)
+
+
+def test_unshared_eager_steps_run_on_vllms_kernel(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With FLASH_ATTN at hand (``delegate_builder``), a step the probe expects to share
+    nothing gets FLASH_ATTN's metadata, and every layer's impl hands it to FLASH_ATTN's
+    forward. The delegated step still teaches: the sharing it shows has the next step
+    planned by prefixattn again, from its rows."""
+    rng = torch.Generator().manual_seed(11)
+    shared = Batch(rng, 16, 8, False)
+    assert len(set(shared.block_table[:, 0].tolist())) < 8  # two requests share a block
+    private = copy.deepcopy(shared)
+    private.block_table[:, 0] = torch.arange(100, 108, dtype=torch.int32)  # no common block
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    assert builder.delegate_builder is None  # a CPU device has no FLASH_ATTN kernel
+    fa = _EngineKernel()
+    builder.delegate_builder = fa
+    steps = [
+        builder.build(0, b.metadata(host_lens=True)) for b in (private, private, shared, shared)
+    ]
+    delegated = [not isinstance(m, vllm_backend.PrefixAttentionMetadata) for m in steps]
+    assert delegated == [False, True, True, False]
+    assert [cm.num_reqs for cm in fa.built] == [8, 8]
+    assert _kind(steps[3].plan) == "hinted"  # from the delegated step 3's rows
+    assert builder.plan_kinds == {"copy": 1, "unshared": 0, "hinted": 1, "delegated": 2}
+
+    impl = PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, 0.125, NUM_KV_HEADS)
+    q = torch.randn(shared.num_tokens, NUM_QO_HEADS, HEAD_DIM)
+    kv = torch.zeros(PrefixAttentionBackend.get_kv_cache_shape(201, 16, NUM_KV_HEADS, HEAD_DIM))
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="delegate_unshared"):
+        impl.forward(_Layer(), q, q, q, kv, steps[1], out)  # no FLASH_ATTN impl on a CPU
+    impl.delegate_impl = fa
+    assert impl.forward(_Layer(), q, q, q, kv, steps[1], out) is out
+    assert fa.forwarded == [steps[1]] and torch.all(out == 5.0)
+
+    _options(monkeypatch, vllm_config, delegate_unshared=False)
+    off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    off.delegate_builder = fa  # the option decides, even with a kernel at hand
+    kinds = [_kind(off.build(0, private.metadata(host_lens=True)).plan) for _ in range(2)]
+    assert kinds == ["copy", "unshared"]
+
+
+def test_graph_steps_are_not_delegated(vllm_config: VllmConfig) -> None:
+    """Graph-eligible decode steps keep prefixattn's plan in the reserved buffers (a captured
+    graph holds prefixattn's launches)."""
+    rng = torch.Generator().manual_seed(3)
+    private = Batch(rng, 16, 4, False)
+    private.block_table[:, 0] = torch.arange(100, 104, dtype=torch.int32)
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    builder.delegate_builder = _EngineKernel()
+    builder.full_graphs = True
+    builder.max_graph_tokens = 8
+    builder.reserve_for_graphs()
+    steps = [builder.build(0, private.metadata(host_lens=True)) for _ in range(3)]
+    assert all(isinstance(m, vllm_backend.PrefixAttentionMetadata) for m in steps)
+    assert builder.plan_kinds["delegated"] == 0 and builder.plan_kinds["unshared"] == 2
+
+
+def test_vllms_kernel_is_refused_by_name_where_it_cannot_run() -> None:
+    """Why a configuration keeps unshared steps on prefixattn: named, not guessed."""
+    from prefixattn.adapters.vllm import delegate
+
+    reason = delegate.unavailable_reason(16, HEAD_DIM, torch.bfloat16)
+    assert reason is not None  # this machine has no CUDA
+    assert "CUDA" in reason or "FlashAttention" in reason or "layout" in reason

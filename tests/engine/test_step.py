@@ -102,7 +102,53 @@ def test_plan_methods_follow_the_batches_seen() -> None:
     assert kinds == [
         "copy", "hinted", "hinted-fallback", "unshared", "unshared", "hinted", "hinted-fallback"
     ]  # fmt: skip
-    assert planner.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4}
+    assert planner.plan_kinds == {"copy": 1, "unshared": 2, "hinted": 4, "delegated": 0}
+
+
+def delegate_or_plan(planner: StepPlanner, batch: Batch, *, graph: bool = False) -> str:
+    """An adapter with the engine's own kernel for delegated steps: the step's kind."""
+    choice = planner.choose(batch.num_real, decode=batch.decode, graph=graph, delegate=True)
+    if choice.kind == "delegated":
+        planner.delegated(torch.from_numpy(batch.table), batch.seq_lens, num_real=batch.num_real)
+        return "delegated"
+    attention = planner.attention_for(graph=graph)
+    if choice.device_table:
+        plan = planner.plan_device(
+            attention, choice, torch.from_numpy(batch.table), batch.seq_lens, batch.qo_indptr,
+            num_real=batch.num_real,
+        )  # fmt: skip
+    else:
+        plan = planner.plan_host(
+            attention, batch.table, batch.seq_lens, batch.qo_indptr, num_real=batch.num_real
+        )
+    return kind(plan)
+
+
+def test_unshared_steps_are_delegated_and_still_teach() -> None:
+    """With the engine's kernel at hand, the steps planned unshared above go to it instead;
+    their rows still teach: sharing that appears in a delegated step (5) has the next step
+    planned from its rows (6). Nothing is delegated before the probe has seen a batch (1)."""
+    planner = _planner()
+    seq = [SHARED, SHARED, PRIVATE, PRIVATE, SHARED, SHARED, PRIVATE]
+    kinds = [delegate_or_plan(planner, b) for b in seq]
+    assert kinds == [
+        "copy", "hinted", "hinted-fallback", "delegated", "delegated", "hinted", "hinted-fallback"
+    ]  # fmt: skip
+    assert planner.plan_kinds == {"copy": 1, "unshared": 0, "hinted": 4, "delegated": 2}
+    assert planner.counts()["host_ms_per_plan"]["delegated"] > 0
+
+
+def test_graph_steps_and_the_option_off_are_never_delegated() -> None:
+    """Steps that may be replayed from a captured graph run prefixattn's plan (the graph holds
+    its launches), and ``delegate_unshared=False`` plans unshared steps as before."""
+    planner = _planner()
+    planner.reserve_graphs(8, 8, 64)
+    kinds = [delegate_or_plan(planner, b, graph=True) for b in (PRIVATE, PRIVATE, PRIVATE)]
+    assert kinds == ["copy", "unshared", "unshared"]
+    off = _planner(delegate_unshared=False)
+    assert [delegate_or_plan(off, b) for b in (PRIVATE, PRIVATE)] == ["copy", "unshared"]
+    with pytest.raises(TypeError, match="delegate_unshared must be a bool"):
+        StepOptions(delegate_unshared=1)  # type: ignore[arg-type]
 
 
 def test_prefill_batches_alone_do_not_teach_decode_steps() -> None:
@@ -172,14 +218,15 @@ def test_counts_of_fallbacks_and_hint_rows(monkeypatch, caplog) -> None:
         for b in seq:
             run_step(planner, b)
     counts = planner.counts()
-    assert counts["plans"] == {"copy": 1, "unshared": 2, "hinted": 4}
+    assert counts["plans"] == {"copy": 1, "unshared": 2, "hinted": 4, "delegated": 0}
     assert counts["fallbacks"] == 2  # steps 3 and 7 (kinds above)
     # Every request of a hinted step here keeps its row (same count, lengths that match).
     assert counts["hint_rows"] == {"kept": 16, "moved": 0, "unknown": 0}
     # The mean host time of a planning call of each kind that ran.
     host = counts["host_ms_per_plan"]
+    # (only the kinds that ran)
     assert set(host) == {"copy", "unshared", "hinted"} and all(v > 0 for v in host.values())
-    total = sum(host[k] * n for k, n in counts["plans"].items())
+    total = sum(host[k] * n for k, n in counts["plans"].items() if n)
     assert total == pytest.approx(1e3 * sum(planner.host_seconds.values()), abs=0.01)
     logged = [r.getMessage() for r in caplog.records if "planner counts" in r.getMessage()]
     assert len(logged) == 1 and "'fallbacks': 1" in logged[0]  # after step 4 (3 device plans)
@@ -295,7 +342,12 @@ def test_capture_and_engines_without_a_device_table_copy() -> None:
     run_step(planner, PRIVATE)
     assert kind(run_step(planner, PRIVATE, device_table=False)) == "copy"
     assert kind(run_step(planner, PRIVATE, capture=True)) == "copy"
-    assert planner.plan_kinds == {"copy": 2, "unshared": 0, "hinted": 0}  # capture not counted
+    assert planner.plan_kinds == {
+        "copy": 2,
+        "unshared": 0,
+        "hinted": 0,
+        "delegated": 0,
+    }  # capture not counted
 
 
 @pytest.mark.parametrize("unshared", [False, True])

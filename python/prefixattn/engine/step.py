@@ -72,7 +72,7 @@ __all__ = [
     "kernels_unavailable_reason",
 ]
 
-StepKind = Literal["copy", "unshared", "hinted"]
+StepKind = Literal["copy", "unshared", "hinted", "delegated"]
 
 logger = logging.getLogger("prefixattn")
 
@@ -124,6 +124,14 @@ class StepOptions:
     requests the hint does not know: planned as sharing nothing). False: they copy this
     step's table (:meth:`plan`)."""
 
+    delegate_unshared: bool = True
+    """Run steps that the probe expects to share no page, and that are not replayed from a
+    captured CUDA graph, on the engine's own attention kernel where the adapter has one (vLLM:
+    ``FLASH_ATTN``'s, SGLang: ``flashinfer``'s): without sharing, prefixattn reads what they
+    read, and long private prefills run fastest on the engine's dense prefill kernel. The
+    step still teaches the probe and the hint. False: such steps are planned unshared.
+    Correct either way; the probe only decides the speed."""
+
     graph_slots_per_token: int | None = None
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
     core's :func:`~prefixattn.decode_slots_per_token` for the engine's context length."""
@@ -145,6 +153,7 @@ class StepOptions:
     _CHECKS: ClassVar[dict[str, Callable[[str, Any], None]]] = {
         "unshared_plans": _check_bool,
         "hinted_plans": _check_bool,
+        "delegate_unshared": _check_bool,
         "count_fallbacks": _check_bool,
         "graph_slots_per_token": _check_slots,
         "core_options": _check_core,
@@ -516,9 +525,9 @@ class StepPlanner:
         self.table_hint = TableHint()
         self.captured = CapturedBuffers(remedy)
         """Guards the buffers of :attr:`graph_attention` that captured graphs read."""
-        self.plan_kinds: dict[str, int] = {"copy": 0, "unshared": 0, "hinted": 0}
-        """Steps planned from a host copy of their table, from lengths alone, from a hint
-        (capture batches are not counted)."""
+        self.plan_kinds: dict[str, int] = {"copy": 0, "unshared": 0, "hinted": 0, "delegated": 0}
+        """Steps planned from a host copy of their table, from lengths alone, from a hint, and
+        steps run on the engine's own kernel (capture batches are not counted)."""
         self.host_seconds: dict[str, float] = dict.fromkeys(self.plan_kinds, 0.0)
         """Host time of the planning calls of each kind, summed (the step's plan, the look at
         its rows; what the engine's host spends on prefixattn besides launching the kernels)."""
@@ -617,6 +626,7 @@ class StepPlanner:
         capture: bool = False,
         device_table: bool = True,
         graph: bool = False,
+        delegate: bool = False,
     ) -> StepChoice:
         """How to plan a step of ``num_real`` real requests.
 
@@ -624,12 +634,18 @@ class StepPlanner:
         batch (always copied). device_table: the engine can give the device table (int32)
         with exact host lengths (False: always copy). graph: the step may be replayed from a
         captured CUDA graph (:attr:`graph_attention`), whose hinted plans' fallback launches
-        are those of decode steps: other steps of it are copied.
+        are those of decode steps: other steps of it are copied. delegate: the adapter can run
+        this step on the engine's own kernel (never a graph step): ``"delegated"`` where the
+        step would be planned unshared and :attr:`StepOptions.delegate_unshared` is on; the
+        adapter then calls :meth:`delegated` instead of planning.
         """
         if not device_table or capture or num_real <= 0:
             return StepChoice("copy")
-        if self.options.unshared_plans and not self.probe.expects_sharing():
-            return StepChoice("unshared")
+        if not self.probe.expects_sharing():
+            if delegate and not graph and self.options.delegate_unshared:
+                return StepChoice("delegated")
+            if self.options.unshared_plans:
+                return StepChoice("unshared")
         if self.options.hinted_plans and (decode or not graph):
             hint = self.table_hint.take()
             if hint is not None:
@@ -719,10 +735,49 @@ class StepPlanner:
         if choice.kind != "hinted":
             self._run_hint = None
         self.plan_kinds[choice.kind] += 1
+        self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
+        return plan
+
+    def delegated(
+        self,
+        table: torch.Tensor,
+        seq_lens: np.ndarray,
+        *,
+        num_real: int,
+        rows: np.ndarray | None = None,
+        columns: int | None = None,
+        ids: npt.ArrayLike | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        """A step chosen ``"delegated"``, which the engine's own kernel runs: no plan, only the
+        look at its rows that :meth:`plan_device` takes (the probe's verdict, a later step's
+        hint), with the same arguments."""
+        t0 = time.perf_counter()
+        real_ids = None if ids is None else np.asarray(ids)[:num_real]
+        key = _batch_key(num_real, rows, real_ids)
+        lens = np.array(seq_lens[:num_real], dtype=np.int64)
+        self._run_hint = None
+        self.plan_kinds["delegated"] += 1
+        self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
+        self.host_seconds["delegated"] += time.perf_counter() - t0
+
+    def _look(
+        self,
+        table: torch.Tensor,
+        key: _BatchKey,
+        lens: np.ndarray,
+        seq_lens: np.ndarray,
+        num_real: int,
+        columns: int | None,
+        real_ids: np.ndarray | None,
+        prefill_only: bool,
+    ) -> None:
+        """Start the look at a device-table step's rows where it teaches: its first pages for
+        the probe, its rows as a later step's hint (both land asynchronously)."""
         if not self.teaches(prefill_only=prefill_only) or self._hint_is_current(key, lens):
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
-            return plan
+            return
         first = table[:, 0]
         real = None
         if table.shape[0] > num_real:  # padding rows of the engine's table: left out
@@ -732,7 +787,6 @@ class StepPlanner:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
             self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
-        return plan
 
     def teaches(self, *, prefill_only: bool = False, capture: bool = False) -> bool:
         """Does a step set the probe's verdict and the hint for later steps? Not an engine's

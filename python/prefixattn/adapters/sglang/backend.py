@@ -37,6 +37,7 @@ of the ``sglang.srt.plugins`` group, which SGLang loads in each of them).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,8 @@ from prefixattn.engine.step import (
     cuda_graphs_available,
     kernels_unavailable_reason,
 )
+
+logger = logging.getLogger("prefixattn")
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -133,6 +136,23 @@ class ForwardMetadata:
     """The core that built the plan (it owns the plan's buffers and scratch)."""
 
 
+def new_delegate_backend(model_runner: Any) -> Any:
+    """SGLang's ``flashinfer`` backend over the same pools, for the steps prefixattn gains
+    nothing on (``StepOptions.delegate_unshared``); None where it cannot be made here."""
+    try:
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend(model_runner)
+    except Exception as e:  # an import or set-up failure only costs the delegation
+        logger.warning(
+            "prefixattn: SGLang's flashinfer backend is not available (%s: %s); steps without "
+            "sharing are planned unshared instead",
+            type(e).__name__,
+            e,
+        )
+        return None
+
+
 class PrefixAttnBackend(AttentionBackend):
     """``--attention-backend prefixattn``: prefix-aware paged attention for MHA/GQA models.
 
@@ -185,6 +205,18 @@ class PrefixAttnBackend(AttentionBackend):
         """Which plan method each step uses, and the eager/graph pair of cores."""
         self.graph_reserved: dict[str, int] | None = None
         self.forward_metadata: ForwardMetadata | None = None
+        self.delegating = False
+        """The step runs on :attr:`delegate_backend` (with its own metadata)."""
+        self.delegate_backend: Any = None
+        """SGLang's ``flashinfer`` backend, which runs the eager steps that the planner
+        expects to share nothing (``StepOptions.delegate_unshared``); None: such steps are
+        planned unshared."""
+        if (
+            self.planner.options.delegate_unshared
+            and self.device.type == "cuda"
+            and self.dtype in (torch.float16, torch.bfloat16)
+        ):
+            self.delegate_backend = new_delegate_backend(model_runner)
 
     @property
     def core(self) -> PrefixAttention:
@@ -218,6 +250,7 @@ class PrefixAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager steps (prefill, mixed, decode batches that run without a graph, the warm-up
         forward, attention inside breakable prefill graphs): plan on :attr:`core`."""
+        self.delegating = False
         if forward_batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
@@ -248,7 +281,9 @@ class PrefixAttnBackend(AttentionBackend):
                 "not supported (decode graphs are; prefill graphs only with the default "
                 "'breakable' backend, which runs attention outside the graph)"
             )
+        self.delegating = False
         meta = self._plan(core, forward_batch, capture=in_capture)
+        assert meta is not None  # graph steps are never delegated
         self.planner.check()
         self.forward_metadata = meta
 
@@ -257,7 +292,9 @@ class PrefixAttnBackend(AttentionBackend):
 
     def _plan(
         self, core: PrefixAttention, forward_batch: ForwardBatch, capture: bool = False
-    ) -> ForwardMetadata:
+    ) -> ForwardMetadata | None:
+        """The step's plan on ``core``; None for a step given to :attr:`delegate_backend`
+        (which then sets :attr:`delegating`)."""
         bs = forward_batch.batch_size
         # Graph replays pad the batch at its end (rows of request 0): leave those out.
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
@@ -269,7 +306,16 @@ class PrefixAttnBackend(AttentionBackend):
             decode=forward_batch.forward_mode.is_decode(),
             capture=capture,
             graph=core is not self.core,
+            delegate=self.delegate_backend is not None,
         )
+        if choice.kind == "delegated":
+            # The flashinfer backend runs the step; the planner only looks at its rows.
+            with record_function("prefixattn.plan"):
+                rows, seq_lens, _ = self._batch_tables(forward_batch, on_host=False)
+            self.planner.delegated(rows, seq_lens, num_real=real, prefill_only=prefill_only)
+            self.delegate_backend.init_forward_metadata(forward_batch)
+            self.delegating = True
+            return None
         if choice.device_table:
             # The page ids are gathered on the device (no wait); the planner looks at this
             # batch on the side.
@@ -379,6 +425,10 @@ class PrefixAttnBackend(AttentionBackend):
         **kwargs: Any,
     ) -> torch.Tensor:
         _refuse_extras(layer, kwargs)
+        if self.delegating:
+            return self.delegate_backend.forward_decode(
+                q, k, v, layer, forward_batch, save_kv_cache
+            )
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_extend(
@@ -392,6 +442,10 @@ class PrefixAttnBackend(AttentionBackend):
         **kwargs: Any,
     ) -> torch.Tensor:
         _refuse_extras(layer, kwargs)
+        if self.delegating:
+            return self.delegate_backend.forward_extend(
+                q, k, v, layer, forward_batch, save_kv_cache
+            )
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(

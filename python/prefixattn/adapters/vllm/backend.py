@@ -80,6 +80,8 @@ from prefixattn.engine.step import (
 from prefixattn.plan.tiles import SUPPORTED_HEAD_DIMS
 from prefixattn.runtime import library
 
+from . import delegate
+
 try:  # vLLM >= 0.29: one KV cache layout for the model, resolved across its backends
     from vllm.v1.kv_cache_layout import KVCacheLayout
 except ImportError:  # vLLM 0.26-0.28: get_kv_cache_shape / get_kv_cache_stride_order
@@ -251,6 +253,18 @@ def _engine_on_cuda() -> bool:
     return bool(current_platform.is_cuda_alike())
 
 
+def _model_dtype() -> torch.dtype | None:
+    """The dtype of the model vLLM is building (None outside vLLM's config context)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    model = getattr(config, "model_config", None)
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Is ``t``'s device stream being captured into a CUDA graph right now?"""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -392,6 +406,14 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             remedy=_remedy(self.slots_per_token),
         )
         """Which plan method each step uses, and the graph/eager pair of planners."""
+        self.delegate_builder: Any = None
+        """``FLASH_ATTN``'s builder for the steps that run on vLLM's own kernel
+        (``StepOptions.delegate_unshared``, :mod:`.delegate`); None where they cannot."""
+        reason = delegate.unavailable_reason(self.block_size, self.head_dim, kv_cache_spec.dtype)
+        if options.delegate_unshared and torch.device(device).type == "cuda" and reason is None:
+            self.delegate_builder = delegate.new_builder(
+                kv_cache_spec, layer_names, vllm_config, device
+            )
         if self.full_graphs:
             self.reserve_for_graphs()
 
@@ -436,7 +458,7 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> PrefixAttentionMetadata:
-        return self._build(common_attn_metadata, capture=False)
+        return self._build(common_attn_metadata, capture=False, fast_build=fast_build)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
@@ -453,7 +475,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             and max_query_len <= self.decode_query_len
         )
 
-    def _build(self, cm: CommonAttentionMetadata, capture: bool) -> PrefixAttentionMetadata:
+    def _build(
+        self, cm: CommonAttentionMetadata, capture: bool, fast_build: bool = False
+    ) -> PrefixAttentionMetadata:
         if cm.causal is not True:
             raise NotImplementedError("prefixattn: non-causal attention is not supported")
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int32)
@@ -476,11 +500,22 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             device_table=self.exact_host_seq_lens
             and host_lens is not None
             and cm.block_table_tensor.dtype == torch.int32,
+            delegate=self.delegate_builder is not None,
         )
         # vLLM's model runner gives each row's request-state index (stable while the request
         # runs): hints follow requests by it. None from runners that do not.
         ids = getattr(cm, "req_idx", None)
         ids = ids[:b] if isinstance(ids, np.ndarray) and len(ids) >= b and not capture else None
+        if choice.kind == "delegated":
+            # vLLM's FLASH_ATTN runs the step (never a graph step: no padding); the planner
+            # only looks at its rows.
+            assert host_lens is not None
+            self.planner.delegated(
+                cm.block_table_tensor[:b], host_lens[:b].numpy().astype(np.int32), num_real=b,
+                rows=np.arange(b, dtype=np.int32), columns=self._columns(cm), ids=ids,
+            )  # fmt: skip
+            # The step's metadata is FLASH_ATTN's (the impl tells them apart by type).
+            return self.delegate_builder.build(0, cm, fast_build)
         if choice.device_table:
             assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
@@ -580,6 +615,23 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.delegate_impl: Any = None
+        """``FLASH_ATTN``'s impl of this layer, for steps the builder delegates (made where
+        :func:`.delegate.unavailable_reason` allows, as the builder asks it)."""
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
+        if dtype is None:  # "auto": the model's dtype
+            dtype = _model_dtype()
+        if (
+            _engine_on_cuda()
+            and dtype is not None
+            and delegate.unavailable_reason(None, head_size, dtype) is None
+        ):
+            self.delegate_impl = delegate.new_impl(
+                num_heads=num_heads, head_size=head_size, scale=scale,
+                num_kv_heads=self.num_kv_heads, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype=kv_cache_dtype, attn_type=attn_type,
+                kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+            )  # fmt: skip
 
     def _split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Logical (blocks, heads, tokens, 2D) -> NHD views (blocks, tokens, heads, D) of K and V.
@@ -638,6 +690,17 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         if attn_metadata is None:
             # Profiling run: no plan, nothing to attend to.
             return output.fill_(0)
+        if not isinstance(attn_metadata, PrefixAttentionMetadata):
+            # FLASH_ATTN's metadata: the builder gave the step to vLLM's kernel.
+            if self.delegate_impl is None:
+                raise RuntimeError(
+                    "prefixattn: the step was given to vLLM's FLASH_ATTN kernel, which this "
+                    "layer could not set up; run with additional_config={'prefixattn': "
+                    "{'delegate_unshared': False}}"
+                )
+            return self.delegate_impl.forward(
+                layer, query, key, value, kv_cache, attn_metadata, output
+            )
         n = attn_metadata.num_tokens
         k_cache, v_cache = self._split_cache(kv_cache)
         out = output[:n].view(n, self.num_heads, self.head_size)
