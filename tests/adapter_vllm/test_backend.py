@@ -624,3 +624,25 @@ def test_vllms_kernel_is_refused_by_name_where_it_cannot_run() -> None:
     reason = delegate.unavailable_reason(16, HEAD_DIM, torch.bfloat16)
     assert reason is not None  # this machine has no CUDA
     assert "CUDA" in reason or "FlashAttention" in reason or "layout" in reason
+
+
+def test_graphs_of_one_request_run_on_vllms_kernel(vllm_config: VllmConfig) -> None:
+    """A graph batch of one decode token is one request, which shares nothing: it gets
+    FLASH_ATTN's metadata at capture and at every replay, by its padded shape alone."""
+    rng = torch.Generator().manual_seed(3)
+    one = Batch(rng, 16, 1, False)
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    fa = _EngineKernel()
+    builder.delegate_builder = fa
+    builder.full_graphs = True
+    builder.max_graph_tokens = 8
+    builder.reserve_for_graphs()
+    captured = builder.build_for_cudagraph_capture(one.metadata(host_lens=True))
+    replayed = builder.build(0, one.metadata(host_lens=True))
+    assert captured == ("flash_attn metadata", 1) and replayed == ("flash_attn metadata", 2)
+    assert builder.plan_kinds["delegated"] == 1  # the replay; capture batches are not counted
+    # Two tokens: another graph, planned by prefixattn.
+    two = Batch(rng, 16, 2, False)
+    assert isinstance(
+        builder.build(0, two.metadata(host_lens=True)), vllm_backend.PrefixAttentionMetadata
+    )

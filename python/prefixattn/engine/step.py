@@ -761,6 +761,11 @@ class StepPlanner:
         self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
         self.host_seconds["delegated"] += time.perf_counter() - t0
 
+    def note_delegated(self) -> None:
+        """Count a step that the engine's own kernel runs without a look at its rows (one
+        that says nothing of sharing, e.g. a graph of one request's decode)."""
+        self.plan_kinds["delegated"] += 1
+
     def _look(
         self,
         table: torch.Tensor,

@@ -327,6 +327,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
       token (length 0, block-table row of zeros), which are dropped, and with tokens that belong
       to no request, which become one-token requests of length 1 on vLLM's null block (their
       output rows are padding that vLLM discards);
+    - leaves graph batches of one decode token (one request: nothing to share) to FLASH_ATTN
+      where steps without sharing go to it (:meth:`single_request_graph`): its kernels are
+      captured into those graphs and replayed;
     - plans every other batch (prefill chunks, larger batches: never replayed from a full graph)
       with a second ``PrefixAttention``, so their plans cannot make the first one's buffers move;
     - raises ``RuntimeError`` when a graph-eligible plan made the reserved buffers grow after
@@ -475,6 +478,17 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             and max_query_len <= self.decode_query_len
         )
 
+    def single_request_graph(self, num_tokens: int) -> bool:
+        """Does vLLM run graph batches of ``num_tokens`` tokens (padded) on FLASH_ATTN? Those
+        of one decode token: one request, nothing to share (``delegate_unshared``, and the
+        kernel at hand; not with speculative decoding)."""
+        return (
+            num_tokens == 1
+            and self.decode_query_len == 1
+            and self.delegate_builder is not None
+            and self.planner.options.delegate_unshared
+        )
+
     def _build(
         self, cm: CommonAttentionMetadata, capture: bool, fast_build: bool = False
     ) -> PrefixAttentionMetadata:
@@ -487,6 +501,13 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         n_real = int(qsl[b])
         max_q = int(q_lens[:b].max(initial=0))
         eligible = self.graph_eligible(cm.num_actual_tokens, max_q)
+        if eligible and self.single_request_graph(cm.num_actual_tokens):
+            # One request's decode shares nothing: FLASH_ATTN's kernels are captured into
+            # this graph and run at every replay (decided by the padded shape alone, the
+            # same at capture and replay). The batch teaches the planner nothing.
+            if not capture:
+                self.planner.note_delegated()
+            return self.delegate_builder.build(0, cm, fast_build)
         attention = self.planner.attention_for(graph=eligible)
         num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
         pad = num_tokens - n_real
