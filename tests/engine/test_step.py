@@ -188,6 +188,37 @@ def test_prefill_batches_alone_do_not_teach_decode_steps() -> None:
     assert planner.hint_rows["kept"] - kept == 4  # the decode batch's own rows
 
 
+def test_batches_of_new_prefills_go_to_the_engines_kernel() -> None:
+    """With the engine's kernel at hand, a batch of new requests' prefills alone (SGLang's
+    extend batch) that would be hinted (no row knows its requests: all private) is
+    delegated; it does not teach; the decode step after it is hinted from the running
+    batch's rows. Before any hint exists it is copied (the copy finds its sharing)."""
+    planner = _planner()
+    extend = Batch([[30, 31, 32], [30, 31, 42]], new_tokens=3)
+
+    def prefill() -> str:
+        choice = planner.choose(extend.num_real, decode=False, delegate=True, prefill_only=True)
+        if choice.kind == "delegated":
+            planner.delegated(
+                torch.from_numpy(extend.table), extend.seq_lens, num_real=extend.num_real,
+                prefill_only=True,
+            )  # fmt: skip
+            return "delegated"
+        assert choice.kind == "copy"
+        attention = planner.attention_for(graph=False)
+        return kind(planner.plan_host(
+            attention, extend.table, extend.seq_lens, extend.qo_indptr,
+            num_real=extend.num_real, prefill_only=True,
+        ))  # fmt: skip
+
+    assert prefill() == "copy"
+    assert kind(run_step(planner, SHARED)) == "hinted"  # the extend batch's rows: caught
+    assert prefill() == "delegated"
+    assert planner.probe.sharing is True  # not taught by the extend batch
+    assert kind(run_step(planner, SHARED)) == "hinted"
+    assert planner.plan_kinds["delegated"] == 1
+
+
 def test_steps_of_several_tokens_keep_teaching() -> None:
     """Speculative decoding: after a step of one token each, steps of several tokens per
     running request (not prefills of new requests) still set the verdict and the hint."""

@@ -86,7 +86,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "mode": ("plain", "spec", "decode-only"),
 }
 MODES = {
-    "plain": "prefixattn for every batch",
+    "plain": "prefixattn with its defaults (steps without sharing on the engine's own kernel)",
     "spec": "speculative decoding, ngram proposer with 3 draft tokens (vLLM)",
     "decode-only": "prefixattn for decode batches, the reference backend for prefill (SGLang)",
 }

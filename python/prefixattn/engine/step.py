@@ -627,6 +627,7 @@ class StepPlanner:
         device_table: bool = True,
         graph: bool = False,
         delegate: bool = False,
+        prefill_only: bool = False,
     ) -> StepChoice:
         """How to plan a step of ``num_real`` real requests.
 
@@ -637,18 +638,23 @@ class StepPlanner:
         are those of decode steps: other steps of it are copied. delegate: the adapter can run
         this step on the engine's own kernel (never a graph step): ``"delegated"`` where the
         step would be planned unshared and :attr:`StepOptions.delegate_unshared` is on; the
-        adapter then calls :meth:`delegated` instead of planning.
+        adapter then calls :meth:`delegated` instead of planning. prefill_only: the batch
+        holds new requests' prefills alone (SGLang's extend batches), which a hinted plan
+        would plan as private (no hint row knows them): such a batch is delegated too.
         """
         if not device_table or capture or num_real <= 0:
             return StepChoice("copy")
+        delegate = delegate and not graph and self.options.delegate_unshared
         if not self.probe.expects_sharing():
-            if delegate and not graph and self.options.delegate_unshared:
+            if delegate:
                 return StepChoice("delegated")
             if self.options.unshared_plans:
                 return StepChoice("unshared")
         if self.options.hinted_plans and (decode or not graph):
             hint = self.table_hint.take()
             if hint is not None:
+                if delegate and prefill_only:
+                    return StepChoice("delegated")
                 return StepChoice("hinted", hint)
         return StepChoice("copy")
 

@@ -307,6 +307,7 @@ class PrefixAttnBackend(AttentionBackend):
             capture=capture,
             graph=core is not self.core,
             delegate=self.delegate_backend is not None,
+            prefill_only=prefill_only,
         )
         if choice.kind == "delegated":
             # The flashinfer backend runs the step; the planner only looks at its rows.
