@@ -646,3 +646,86 @@ def test_graphs_of_one_request_run_on_vllms_kernel(vllm_config: VllmConfig) -> N
     assert isinstance(
         builder.build(0, two.metadata(host_lens=True)), vllm_backend.PrefixAttentionMetadata
     )
+
+
+def _decodes_first(batch: Batch) -> Batch:
+    """``batch`` with its requests reordered as vLLM does for a backend that asks for it
+    (``reorder_batch_threshold`` 1): decodes first, then the longer chunks."""
+    q = (batch.qo_indptr[1:] - batch.qo_indptr[:-1]).numpy()
+    order = np.argsort(q > 1, kind="stable")
+    out = copy.deepcopy(batch)
+    out.block_table = batch.block_table[order].clone()
+    out.seq_lens = batch.seq_lens[order].clone()
+    out.qo_indptr = torch.zeros_like(batch.qo_indptr)
+    out.qo_indptr[1:] = torch.cumsum(torch.from_numpy(q[order]), 0)
+    slots = [batch.slot_mapping[batch.qo_indptr[i] : batch.qo_indptr[i + 1]] for i in order]
+    out.slot_mapping = torch.cat(slots)
+    return out
+
+
+def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
+    vllm_config: VllmConfig,
+) -> None:
+    """An eager step with prefill chunks after its decodes: prefixattn plans the decodes (rows
+    checked against plain attention), FLASH_ATTN gets the chunks' requests alone (their own
+    query offsets, lengths, table rows and slots) and fills the rows after them."""
+    rng = torch.Generator().manual_seed(21)
+    batch = _decodes_first(Batch(rng, 16, 12, True))
+    q = (batch.qo_indptr[1:] - batch.qo_indptr[:-1]).numpy()
+    nd = int(np.argmax(q > 1))
+    assert 0 < nd < 12 and (q[nd:] > 1).all()
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    fa = _EngineKernel()
+    builder.delegate_builder = fa
+    builder.planner.probe.observe(np.array([1, 1]))  # sharing seen: no whole-step delegation
+    md = builder.build(0, batch.metadata(host_lens=True))
+    assert isinstance(md, vllm_backend.PrefixAttentionMetadata)
+    first = int(batch.qo_indptr[nd])
+    assert md.num_tokens == first == md.plan.num_tokens
+    sub = fa.built[-1]
+    assert sub.num_reqs == 12 - nd and sub.num_actual_tokens == batch.num_tokens - first
+    assert sub.query_start_loc_cpu.tolist() == (batch.qo_indptr[nd:] - first).tolist()
+    assert torch.equal(sub.query_start_loc, sub.query_start_loc_cpu)
+    assert torch.equal(sub.block_table_tensor, batch.block_table[nd:])
+    assert torch.equal(sub.seq_lens, batch.seq_lens[nd:])
+    assert torch.equal(sub.slot_mapping, batch.slot_mapping[first:])
+    assert sub.max_query_len == int(q[nd:].max())
+
+    scale = HEAD_DIM**-0.5
+    shape = PrefixAttentionBackend.get_kv_cache_shape(batch.num_blocks, 16, NUM_KV_HEADS, HEAD_DIM)
+    kv = torch.randn(shape, generator=rng)
+    impl = PrefixAttentionImpl(NUM_QO_HEADS, HEAD_DIM, scale, NUM_KV_HEADS)
+    impl.delegate_impl = fa
+    query = torch.randn(batch.num_tokens, NUM_QO_HEADS, HEAD_DIM, generator=rng)
+    out = torch.zeros_like(query)
+    impl.forward(_Layer(), query, query, query, kv, md, out)
+    assert fa.forwarded[-1] is md.prefill and torch.all(out[first:] == 5.0)
+    k_nhd = kv.transpose(1, 2)[..., :HEAD_DIM]
+    v_nhd = kv.transpose(1, 2)[..., HEAD_DIM:]
+    ref = attention_reference(
+        query[:first].double(), k_nhd.double(), v_nhd.double(), batch.block_table[:nd],
+        batch.seq_lens[:nd], batch.qo_indptr[: nd + 1], scale=scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:first].double(), ref, atol=1e-5, rtol=1e-5)
+
+    # Chunks not all after the decodes (no reorder): prefixattn plans the whole step.
+    assert builder.prefill_split(np.ones(5, np.int32)) is None
+    assert builder.prefill_split(np.array([1, 1, 9, 3])) == 2
+    assert builder.prefill_split(np.array([9, 1, 3])) is None
+    # Prefill chunks alone: FLASH_ATTN runs the whole step.
+    alone = copy.deepcopy(batch)
+    alone.block_table, alone.seq_lens = batch.block_table[nd:], batch.seq_lens[nd:]
+    alone.qo_indptr = batch.qo_indptr[nd:] - first
+    alone.slot_mapping, alone.num_tokens = batch.slot_mapping[first:], batch.num_tokens - first
+    whole = builder.build(0, alone.metadata(host_lens=True))
+    assert whole == ("flash_attn metadata", len(fa.built)) and fa.built[-1].num_reqs == 12 - nd
+
+
+def test_prefill_chunks_stay_with_prefixattn_when_switched_off(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _options(monkeypatch, vllm_config, delegate_prefills=False)
+    builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    builder.delegate_builder = _EngineKernel()
+    assert builder.prefill_split(np.array([1, 1, 9, 3])) is None
+    assert builder.reorder_batch_threshold is None

@@ -132,6 +132,14 @@ class StepOptions:
     step still teaches the probe and the hint. False: such steps are planned unshared.
     Correct either way; the probe only decides the speed."""
 
+    delegate_prefills: bool = True
+    """Run new requests' prefill chunks on the engine's own kernel where the adapter has one:
+    in vLLM the prefill and extend chunks of an eager step (prefixattn plans the decodes
+    beside them), in SGLang an extend batch of new requests alone once a hint exists (a
+    hinted plan knows none of its requests and plans each as private). A chunk's queries
+    are many per page read, so reading a shared prefix once gains little there, and the
+    engine's dense prefill kernel is its fastest. False: prefixattn plans them."""
+
     graph_slots_per_token: int | None = None
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the
     core's :func:`~prefixattn.decode_slots_per_token` for the engine's context length."""
@@ -154,6 +162,7 @@ class StepOptions:
         "unshared_plans": _check_bool,
         "hinted_plans": _check_bool,
         "delegate_unshared": _check_bool,
+        "delegate_prefills": _check_bool,
         "count_fallbacks": _check_bool,
         "graph_slots_per_token": _check_slots,
         "core_options": _check_core,
@@ -640,20 +649,21 @@ class StepPlanner:
         step would be planned unshared and :attr:`StepOptions.delegate_unshared` is on; the
         adapter then calls :meth:`delegated` instead of planning. prefill_only: the batch
         holds new requests' prefills alone (SGLang's extend batches), which a hinted plan
-        would plan as private (no hint row knows them): such a batch is delegated too.
+        would plan as private (no hint row knows them): such a batch is delegated where
+        :attr:`StepOptions.delegate_prefills` is on.
         """
         if not device_table or capture or num_real <= 0:
             return StepChoice("copy")
-        delegate = delegate and not graph and self.options.delegate_unshared
+        delegate = delegate and not graph
         if not self.probe.expects_sharing():
-            if delegate:
+            if delegate and self.options.delegate_unshared:
                 return StepChoice("delegated")
             if self.options.unshared_plans:
                 return StepChoice("unshared")
         if self.options.hinted_plans and (decode or not graph):
             hint = self.table_hint.take()
             if hint is not None:
-                if delegate and prefill_only:
+                if delegate and prefill_only and self.options.delegate_prefills:
                     return StepChoice("delegated")
                 return StepChoice("hinted", hint)
         return StepChoice("copy")

@@ -45,6 +45,7 @@ check.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -226,6 +227,29 @@ def _with_padding(
     return lens, indptr
 
 
+def _requests_after(
+    cm: CommonAttentionMetadata, start: int, b: int, host_lens: torch.Tensor
+) -> CommonAttentionMetadata:
+    """``cm`` of requests ``start:b`` alone (their tokens from ``query_start_loc[start]`` on,
+    with any padding after them): FLASH_ATTN's input for an eager step's prefill chunks."""
+    qsl_cpu = cm.query_start_loc_cpu[start : b + 1]
+    first = int(qsl_cpu[0])
+    q_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+    return dataclasses.replace(
+        cm,
+        query_start_loc=cm.query_start_loc[start : b + 1] - first,
+        query_start_loc_cpu=qsl_cpu - first,
+        seq_lens=cm.seq_lens[start:b],
+        num_reqs=b - start,
+        num_actual_tokens=cm.num_actual_tokens - first,
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(host_lens[start:b].max()),
+        block_table_tensor=cm.block_table_tensor[start:b],
+        slot_mapping=cm.slot_mapping[first:],
+        seq_lens_cpu_upper_bound=host_lens[start:b],
+    )
+
+
 def _kernels_built() -> bool:
     try:
         return bool(library.cuda_ops_available())
@@ -296,6 +320,9 @@ class PrefixAttentionMetadata(AttentionMetadata):
     -1 for padding."""
     graph: CapturedBuffers | None = None
     """Set when the plan lives in the buffers captured graphs read (graph-eligible batches)."""
+    prefill: Any = None
+    """``FLASH_ATTN``'s metadata for the step's prefill chunks, rows ``num_tokens:`` of the
+    query (:meth:`PrefixAttentionMetadataBuilder.prefill_split`), or None."""
 
 
 class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMetadata]):
@@ -413,10 +440,14 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
         """``FLASH_ATTN``'s builder for the steps that run on vLLM's own kernel
         (``StepOptions.delegate_unshared``, :mod:`.delegate`); None where they cannot."""
         reason = delegate.unavailable_reason(self.block_size, self.head_dim, kv_cache_spec.dtype)
-        if options.delegate_unshared and torch.device(device).type == "cuda" and reason is None:
+        wanted = options.delegate_unshared or options.delegate_prefills
+        if wanted and torch.device(device).type == "cuda" and reason is None:
             self.delegate_builder = delegate.new_builder(
                 kv_cache_spec, layer_names, vllm_config, device
             )
+        if self.delegate_builder is not None and options.delegate_prefills:
+            # Decodes first, then prefill chunks, so the chunks are one run of rows.
+            self.reorder_batch_threshold = self.decode_query_len
         if self.full_graphs:
             self.reserve_for_graphs()
 
@@ -509,25 +540,28 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
                 self.planner.note_delegated()
             return self.delegate_builder.build(0, cm, fast_build)
         attention = self.planner.attention_for(graph=eligible)
-        num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
-        pad = num_tokens - n_real
         host_lens = cm.seq_lens_cpu_upper_bound
-        # Plans that read page ids from the device table need exact host lengths.
-        choice = self.planner.choose(
-            b,
-            decode=max_q <= 1,
-            capture=capture,
-            graph=eligible,
-            device_table=self.exact_host_seq_lens
+        device_table = (
+            self.exact_host_seq_lens
             and host_lens is not None
-            and cm.block_table_tensor.dtype == torch.int32,
-            delegate=self.delegate_builder is not None,
+            and cm.block_table_tensor.dtype == torch.int32
         )
         # vLLM's model runner gives each row's request-state index (stable while the request
         # runs): hints follow requests by it. None from runners that do not.
         ids = getattr(cm, "req_idx", None)
         ids = ids[:b] if isinstance(ids, np.ndarray) and len(ids) >= b and not capture else None
-        if choice.kind == "delegated":
+        # Prefill chunks after the decodes (vLLM orders them so): FLASH_ATTN's.
+        split = None if eligible or not device_table else self.prefill_split(q_lens[:b])
+        planned = b if split is None else split
+        choice = self.planner.choose(
+            planned,
+            decode=int(q_lens[:planned].max(initial=0)) <= 1,
+            capture=capture,
+            graph=eligible,
+            device_table=device_table,
+            delegate=self.delegate_builder is not None,
+        )
+        if choice.kind == "delegated" or split == 0:
             # vLLM's FLASH_ATTN runs the step (never a graph step: no padding); the planner
             # only looks at its rows.
             assert host_lens is not None
@@ -537,6 +571,16 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             )  # fmt: skip
             # The step's metadata is FLASH_ATTN's (the impl tells them apart by type).
             return self.delegate_builder.build(0, cm, fast_build)
+        prefill = None
+        if split is not None:
+            assert host_lens is not None
+            prefill = self.delegate_builder.build(
+                0, _requests_after(cm, split, b, host_lens[:b]), fast_build
+            )
+            b, ids = split, None if ids is None else ids[:split]
+            n_real = int(qsl[b])
+        num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
+        pad = num_tokens - n_real
         if choice.device_table:
             assert host_lens is not None
             lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
@@ -567,7 +611,22 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
             graph=self.planner.captured if eligible else None,
+            prefill=prefill,
         )
+
+    def prefill_split(self, q_lens: np.ndarray) -> int | None:
+        """Where an eager step's prefill chunks start, for FLASH_ATTN to run them: the index of
+        the first request with more new tokens than a decode has, when every request after it
+        has too (vLLM puts decodes first: :attr:`reorder_batch_threshold`); None where the
+        step has none, the chunks are not all after the decodes, or they stay with
+        prefixattn (``StepOptions.delegate_prefills``, FLASH_ATTN at hand)."""
+        if self.delegate_builder is None or not self.planner.options.delegate_prefills:
+            return None
+        long = q_lens > self.decode_query_len
+        if not long.any():
+            return None
+        first = int(np.argmax(long))
+        return first if bool(long[first:].all()) else None
 
     def _columns(self, cm: CommonAttentionMetadata) -> int:
         """Block-table columns the batch uses. Worked example: block_size 16, max_seq_len 40
@@ -659,6 +718,30 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         k_cache, v_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         return k_cache, v_cache
 
+    def _run_prefill_chunks(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: PrefixAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """The step's prefill chunks (rows ``md.num_tokens:``) on FLASH_ATTN, if it has any."""
+        if md.prefill is None:
+            return
+        if self.delegate_impl is None:
+            raise RuntimeError(
+                "prefixattn: the step's prefill chunks were given to vLLM's FLASH_ATTN kernel, "
+                "which this layer could not set up; run with additional_config={'prefixattn': "
+                "{'delegate_prefills': False}}"
+            )
+        s = md.num_tokens
+        self.delegate_impl.forward(
+            layer, query[s:], key[s:], value[s:], kv_cache, md.prefill, output[s:]
+        )
+
     def do_kv_cache_update(
         self,
         layer: torch.nn.Module,
@@ -722,6 +805,7 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
             return self.delegate_impl.forward(
                 layer, query, key, value, kv_cache, attn_metadata, output
             )
+        self._run_prefill_chunks(layer, query, key, value, kv_cache, attn_metadata, output)
         n = attn_metadata.num_tokens
         k_cache, v_cache = self._split_cache(kv_cache)
         out = output[:n].view(n, self.num_heads, self.head_size)
