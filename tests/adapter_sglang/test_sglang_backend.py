@@ -543,6 +543,8 @@ def test_unshared_eager_steps_run_on_sglangs_backend():
     gen = torch.Generator().manual_seed(5)
     rows, backend, pool, req_to_token = _setup(1, heads, kv_heads, head_dim)
     assert backend.delegate_backend is None  # no flashinfer on a CPU device
+    assert backend.planner.options.delegate_unshared is False  # the default
+    backend.planner.options = StepOptions(delegate_unshared=True)
     fi = _EngineBackend()
     backend.delegate_backend = fi
     layer = _layer(0, heads, kv_heads, head_dim)
@@ -572,8 +574,6 @@ def test_unshared_eager_steps_run_on_sglangs_backend():
     assert fi.steps == [ForwardMode.DECODE] * 2 and fi.calls == ["decode"] * 2
     assert backend.planner.plan_kinds["delegated"] == 2
 
-    off = PrefixAttnBackend(
-        _runner(1, heads, kv_heads, head_dim, 4), StepOptions(delegate_unshared=False)
-    )
+    off = PrefixAttnBackend(_runner(1, heads, kv_heads, head_dim, 4))
     off.planner.probe.observe(np.arange(3))  # a batch without sharing seen
     assert off.planner.choose(2, decode=True, delegate=True).kind == "unshared"

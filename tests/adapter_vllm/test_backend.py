@@ -566,6 +566,7 @@ def test_unshared_eager_steps_run_on_vllms_kernel(
     nothing gets FLASH_ATTN's metadata, and every layer's impl hands it to FLASH_ATTN's
     forward. The delegated step still teaches: the sharing it shows has the next step
     planned by prefixattn again, from its rows."""
+    _options(monkeypatch, vllm_config, delegate_unshared=True)
     rng = torch.Generator().manual_seed(11)
     shared = Batch(rng, 16, 8, False)
     assert len(set(shared.block_table[:, 0].tolist())) < 8  # two requests share a block
@@ -601,9 +602,12 @@ def test_unshared_eager_steps_run_on_vllms_kernel(
     assert kinds == ["copy", "unshared"]
 
 
-def test_graph_steps_are_not_delegated(vllm_config: VllmConfig) -> None:
+def test_graph_steps_are_not_delegated(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Graph-eligible decode steps keep prefixattn's plan in the reserved buffers (a captured
     graph holds prefixattn's launches)."""
+    _options(monkeypatch, vllm_config, delegate_unshared=True)
     rng = torch.Generator().manual_seed(3)
     private = Batch(rng, 16, 4, False)
     private.block_table[:, 0] = torch.arange(100, 104, dtype=torch.int32)
@@ -626,9 +630,16 @@ def test_vllms_kernel_is_refused_by_name_where_it_cannot_run() -> None:
     assert "CUDA" in reason or "FlashAttention" in reason or "layout" in reason
 
 
-def test_graphs_of_one_request_run_on_vllms_kernel(vllm_config: VllmConfig) -> None:
+def test_graphs_of_one_request_run_on_vllms_kernel(
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A graph batch of one decode token is one request, which shares nothing: it gets
-    FLASH_ATTN's metadata at capture and at every replay, by its padded shape alone."""
+    FLASH_ATTN's metadata at capture and at every replay, by its padded shape alone (with
+    ``delegate_unshared``; off by default)."""
+    off = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
+    off.delegate_builder = _EngineKernel()
+    assert not off.single_request_graph(1)
+    _options(monkeypatch, vllm_config, delegate_unshared=True)
     rng = torch.Generator().manual_seed(3)
     one = Batch(rng, 16, 1, False)
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
@@ -664,11 +675,12 @@ def _decodes_first(batch: Batch) -> Batch:
 
 
 def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
-    vllm_config: VllmConfig,
+    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An eager step with prefill chunks after its decodes: prefixattn plans the decodes (rows
     checked against plain attention), FLASH_ATTN gets the chunks' requests alone (their own
     query offsets, lengths, table rows and slots) and fills the rows after them."""
+    _options(monkeypatch, vllm_config, delegate_prefills=True)
     rng = torch.Generator().manual_seed(21)
     batch = _decodes_first(Batch(rng, 16, 12, True))
     q = (batch.qo_indptr[1:] - batch.qo_indptr[:-1]).numpy()
@@ -721,11 +733,7 @@ def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
     assert whole == ("flash_attn metadata", len(fa.built)) and fa.built[-1].num_reqs == 12 - nd
 
 
-def test_prefill_chunks_stay_with_prefixattn_when_switched_off(
-    vllm_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _options(monkeypatch, vllm_config, delegate_prefills=False)
+def test_prefill_chunks_stay_with_prefixattn_by_default(vllm_config: VllmConfig) -> None:
     builder = PrefixAttentionMetadataBuilder(_spec(), ["l"], vllm_config, torch.device("cpu"))
     builder.delegate_builder = _EngineKernel()
     assert builder.prefill_split(np.array([1, 1, 9, 3])) is None
-    assert builder.reorder_batch_threshold is None

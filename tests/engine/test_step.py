@@ -128,7 +128,7 @@ def test_unshared_steps_are_delegated_and_still_teach() -> None:
     """With the engine's kernel at hand, the steps planned unshared above go to it instead;
     their rows still teach: sharing that appears in a delegated step (5) has the next step
     planned from its rows (6). Nothing is delegated before the probe has seen a batch (1)."""
-    planner = _planner()
+    planner = _planner(delegate_unshared=True)
     seq = [SHARED, SHARED, PRIVATE, PRIVATE, SHARED, SHARED, PRIVATE]
     kinds = [delegate_or_plan(planner, b) for b in seq]
     assert kinds == [
@@ -140,12 +140,14 @@ def test_unshared_steps_are_delegated_and_still_teach() -> None:
 
 def test_graph_steps_and_the_option_off_are_never_delegated() -> None:
     """Steps that may be replayed from a captured graph run prefixattn's plan (the graph holds
-    its launches), and ``delegate_unshared=False`` plans unshared steps as before."""
-    planner = _planner()
+    its launches), and ``delegate_unshared=False`` (the default) plans unshared steps as
+    before."""
+    planner = _planner(delegate_unshared=True)
     planner.reserve_graphs(8, 8, 64)
     kinds = [delegate_or_plan(planner, b, graph=True) for b in (PRIVATE, PRIVATE, PRIVATE)]
     assert kinds == ["copy", "unshared", "unshared"]
-    off = _planner(delegate_unshared=False)
+    off = _planner()
+    assert off.options.delegate_unshared is False
     assert [delegate_or_plan(off, b) for b in (PRIVATE, PRIVATE)] == ["copy", "unshared"]
     with pytest.raises(TypeError, match="delegate_unshared must be a bool"):
         StepOptions(delegate_unshared=1)  # type: ignore[arg-type]
@@ -193,7 +195,7 @@ def test_batches_of_new_prefills_go_to_the_engines_kernel() -> None:
     extend batch) that would be hinted (no row knows its requests: all private) is
     delegated; it does not teach; the decode step after it is hinted from the running
     batch's rows. Before any hint exists it is copied (the copy finds its sharing)."""
-    planner = _planner()
+    planner = _planner(delegate_prefills=True)
     extend = Batch([[30, 31, 32], [30, 31, 42]], new_tokens=3)
 
     def prefill() -> str:

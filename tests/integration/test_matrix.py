@@ -60,7 +60,8 @@ def test_dry_run(m, capsys) -> None:
     assert "skip: the custom engine example runs on one GPU" in out
     assert "skip: speculative decoding cells run on vLLM" in out
     assert "skip: a separate decode backend is SGLang's" in out
-    assert "12 cells" in out  # graphs x tp x mode
+    assert "16 cells" in out  # graphs x tp x mode
+    assert "skip: the custom engine example has no attention kernel of its own" in out
 
 
 def test_unsupported(m) -> None:
@@ -297,6 +298,19 @@ def test_serving_selection(m) -> None:
     assert all((c.heads, c.head_dim, c.tp, c.mode) == ("32/8", 128, 1, "plain") for c in cells)
     assert [c.id for c in cells if m.unsupported(c)] == []
     assert set(cells) <= set(m.full())
+
+
+def test_delegate_selection(m) -> None:
+    cells = m.select("delegate")
+    assert all(c.mode == "delegate" and c.id.endswith("-tp1-delegate") for c in cells)
+    assert {c.engine for c in cells} == {"vllm", "sglang"}
+    assert {c.graphs for c in cells} == {"on", "off"}
+    assert [c.id for c in cells if m.unsupported(c)] == []
+    assert len({c.id for c in cells}) == len(cells) and set(cells) <= set(m.full())
+    assert m.DELEGATE == {"delegate_unshared": True, "delegate_prefills": True}
+    from prefixattn.engine.step import StepOptions
+
+    StepOptions().updated(m.DELEGATE)  # names StepOptions knows
 
 
 def test_modes(m) -> None:

@@ -7,7 +7,9 @@ head config (query/KV heads) and head_dim, workload, CUDA graphs on/off, tensor 
 and mode: ``plain``; ``spec``, speculative decoding (vLLM's ``ngram`` proposer, both backends;
 each prompt ends with an earlier 8-gram so drafting starts at once, and prefixattn's engine must
 have drafted tokens); ``decode-only``, prefixattn as SGLang's decode backend beside the
-reference backend for prefill (``--decode-attention-backend``).
+reference backend for prefill (``--decode-attention-backend``); ``delegate``, prefixattn with
+the steps it gives to the engine's own kernel switched on (``StepOptions.delegate_unshared``,
+``delegate_prefills``: vLLM, SGLang).
 Every cell runs the same engine twice, each run in its own subprocess (own process group,
 killed on timeout): once with the engine's default attention backend (vLLM: ``FLASH_ATTN``;
 SGLang: ``triton`` or ``flashinfer``, ``--sglang-reference``; custom engine: dense attention
@@ -34,8 +36,8 @@ import, or ``--budget`` is spent.
         [--cells SUBSTR ...] [--budget S] [--dry-run] [--out-md PATH] [--out-json PATH]
 
 Selections: ``smoke`` (every value of every axis in at least one cell), ``serving`` (the
-serving benchmark's workloads, ``SERVING_WORKLOADS``, in both engines with graphs on and off)
-and ``full`` (the product of the axes).
+serving benchmark's workloads, ``SERVING_WORKLOADS``, in both engines with graphs on and off),
+``delegate`` (``delegate`` mode where its paths occur) and ``full`` (the product of the axes).
 """
 
 from __future__ import annotations
@@ -83,13 +85,17 @@ AXES: dict[str, tuple[Any, ...]] = {
     ),
     "graphs": ("on", "off"),
     "tp": (1, 2),
-    "mode": ("plain", "spec", "decode-only"),
+    "mode": ("plain", "spec", "decode-only", "delegate"),
 }
 MODES = {
-    "plain": "prefixattn with its defaults (steps without sharing on the engine's own kernel)",
+    "plain": "prefixattn for every batch",
     "spec": "speculative decoding, ngram proposer with 3 draft tokens (vLLM)",
     "decode-only": "prefixattn for decode batches, the reference backend for prefill (SGLang)",
+    "delegate": "steps without sharing and new prefill chunks on the engine's own kernel "
+    "(StepOptions delegate_unshared, delegate_prefills)",
 }
+DELEGATE = {"delegate_unshared": True, "delegate_prefills": True}
+"""prefixattn's StepOptions in ``delegate`` cells."""
 DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "triton", "custom": "dense"}
 OUR_BACKEND = {"vllm": "CUSTOM", "sglang": "prefixattn", "custom": "prefixattn"}
 PACKAGE = {"vllm": "vllm", "sglang": "sglang", "custom": "prefixattn"}
@@ -194,6 +200,7 @@ SMOKE: tuple[Cell, ...] = (
     _c("vllm", "32/8", 128, "arrivals", "off"),
     _c("vllm", "32/8", 128, "multilevel", "on", tp=2),
     _c("vllm", "28/4", 64, "multilevel", "on", mode="spec"),
+    _c("vllm", "32/8", 128, "forest", "on", mode="delegate"),
     _c("sglang", "32/8", 128, "shared1", "on"),
     _c("sglang", "28/4", 64, "multilevel", "off"),
     _c("sglang", "64/8", 128, "forest", "on"),
@@ -225,7 +232,23 @@ def serving() -> list[Cell]:
     ]
 
 
-SELECTIONS = {"smoke": lambda: list(SMOKE), "full": full, "serving": serving}
+def delegate() -> list[Cell]:
+    """The steps prefixattn gives to the engine's own kernel (``delegate`` mode), where they
+    occur: one request at a time under graphs (vLLM's single-request graphs), forests (eager
+    unshared steps, prefill chunks beside planned decodes, SGLang's extend batches), long
+    private prompts and chat without sharing; graphs on and off."""
+    cells = [("vllm", w, "on") for w in ("lowload", "forest", "longprompt")]
+    cells += [("vllm", "none", "off"), ("sglang", "forest", "off")]
+    cells += [("sglang", w, "on") for w in ("longprompt", "none")]
+    return [Cell(e, "32/8", 128, w, g, 1, "delegate") for e, w, g in cells]
+
+
+SELECTIONS = {
+    "smoke": lambda: list(SMOKE),
+    "full": full,
+    "serving": serving,
+    "delegate": delegate,
+}
 
 
 def select(
@@ -263,6 +286,8 @@ def unsupported(cell: Cell) -> str | None:
         return "speculative decoding cells run on vLLM (its ngram proposer)"
     if cell.mode == "decode-only" and cell.engine != "sglang":
         return "a separate decode backend is SGLang's (--decode-attention-backend)"
+    if cell.mode == "delegate" and cell.engine == "custom":
+        return "the custom engine example has no attention kernel of its own to delegate to"
     if hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} KV heads"
     if hq // hkv > 16:
@@ -481,6 +506,9 @@ def ensure_model(cell: Cell, models: Path) -> str:
 def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
     ce = check_engine()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    # vLLM's FlashInfer sampler compiles its kernels on a machine's first use (minutes),
+    # which no cell's timeout allows; the sampler is the same for both backends.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
 
     max_seqs = req["knobs"].get("max_seqs", 64)
@@ -511,6 +539,8 @@ def run_vllm(cell: Cell, backend: str, model: str, req: dict) -> dict:
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=req["knobs"]["chunk"])
     if cell.mode == "spec":
         kwargs.update(speculative_config=dict(ce.SPEC), disable_log_stats=False)
+    if cell.mode == "delegate" and backend == our_backend(cell):
+        kwargs["additional_config"] = {"prefixattn": dict(DELEGATE)}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = round(time.perf_counter() - t0, 1)
@@ -548,6 +578,11 @@ def run_sglang(cell: Cell, backend: str, model: str, req: dict) -> dict:
     )  # fmt: skip
     if "chunk" in req["knobs"]:
         kwargs.update(chunked_prefill_size=req["knobs"]["chunk"], enable_mixed_chunk=True)
+    if cell.mode == "delegate" and backend == our_backend(cell):
+        # SGLang's scheduler processes take the options from a plugin they all load.
+        from tools.sglang.core_options import plugin_env
+
+        os.environ.update(plugin_env(Path(tempfile.mkdtemp(prefix="delegate-")), DELEGATE))
     t0 = time.perf_counter()
     llm = sgl.Engine(**kwargs)
     start_s = round(time.perf_counter() - t0, 1)

@@ -124,21 +124,23 @@ class StepOptions:
     requests the hint does not know: planned as sharing nothing). False: they copy this
     step's table (:meth:`plan`)."""
 
-    delegate_unshared: bool = True
+    delegate_unshared: bool = False
     """Run steps that the probe expects to share no page, and that are not replayed from a
     captured CUDA graph, on the engine's own attention kernel where the adapter has one (vLLM:
     ``FLASH_ATTN``'s, SGLang: ``flashinfer``'s): without sharing, prefixattn reads what they
     read, and long private prefills run fastest on the engine's dense prefill kernel. The
-    step still teaches the probe and the hint. False: such steps are planned unshared.
-    Correct either way; the probe only decides the speed."""
+    step still teaches the probe and the hint. False (the default until checked in the
+    engines on a GPU): such steps are planned unshared. Correct either way; the probe only
+    decides the speed."""
 
-    delegate_prefills: bool = True
+    delegate_prefills: bool = False
     """Run new requests' prefill chunks on the engine's own kernel where the adapter has one:
     in vLLM the prefill and extend chunks of an eager step (prefixattn plans the decodes
     beside them), in SGLang an extend batch of new requests alone once a hint exists (a
     hinted plan knows none of its requests and plans each as private). A chunk's queries
     are many per page read, so reading a shared prefix once gains little there, and the
-    engine's dense prefill kernel is its fastest. False: prefixattn plans them."""
+    engine's dense prefill kernel is its fastest. False (the default until checked in the
+    engines on a GPU): prefixattn plans them."""
 
     graph_slots_per_token: int | None = None
     """(work item, token) slots reserved per token of the largest CUDA-graph batch; None: the

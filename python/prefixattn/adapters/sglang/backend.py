@@ -209,10 +209,11 @@ class PrefixAttnBackend(AttentionBackend):
         """The step runs on :attr:`delegate_backend` (with its own metadata)."""
         self.delegate_backend: Any = None
         """SGLang's ``flashinfer`` backend, which runs the eager steps that the planner
-        expects to share nothing (``StepOptions.delegate_unshared``); None: such steps are
-        planned unshared."""
+        expects to share nothing (``StepOptions.delegate_unshared``) and extend batches of new
+        requests (``delegate_prefills``); None: prefixattn plans every step."""
+        options = self.planner.options
         if (
-            self.planner.options.delegate_unshared
+            (options.delegate_unshared or options.delegate_prefills)
             and self.device.type == "cuda"
             and self.dtype in (torch.float16, torch.bfloat16)
         ):
