@@ -577,3 +577,12 @@ def test_unshared_eager_steps_run_on_sglangs_backend():
     off = PrefixAttnBackend(_runner(1, heads, kv_heads, head_dim, 4))
     off.planner.probe.observe(np.arange(3))  # a batch without sharing seen
     assert off.planner.choose(2, decode=True, delegate=True).kind == "unshared"
+
+
+def test_no_flashinfer_steps_under_pdmux(caplog):
+    """Prefill-decode multiplexing runs two attention backends at once, each with a flashinfer
+    workspace of its own: no inner flashinfer backend there (it would share SGLang's)."""
+    runner = SimpleNamespace(server_args=SimpleNamespace(enable_pdmux=True))
+    with caplog.at_level("WARNING", logger="prefixattn"):
+        assert sglang_backend.new_delegate_backend(runner) is None
+    assert "--enable-pdmux" in caplog.text

@@ -690,7 +690,10 @@ def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
     fa = _EngineKernel()
     builder.delegate_builder = fa
     builder.planner.probe.observe(np.array([1, 1]))  # sharing seen: no whole-step delegation
-    md = builder.build(0, batch.metadata(host_lens=True))
+    cm = batch.metadata(host_lens=True)
+    positions = torch.arange(batch.num_tokens)
+    cm = dataclasses.replace(cm, positions=positions, logits_indices_padded=positions)
+    md = builder.build(0, cm)
     assert isinstance(md, vllm_backend.PrefixAttentionMetadata)
     first = int(batch.qo_indptr[nd])
     assert md.num_tokens == first == md.plan.num_tokens
@@ -702,6 +705,8 @@ def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
     assert torch.equal(sub.seq_lens, batch.seq_lens[nd:])
     assert torch.equal(sub.slot_mapping, batch.slot_mapping[first:])
     assert sub.max_query_len == int(q[nd:].max())
+    # Other per-token fields: sliced (positions) or left out, never the whole batch's.
+    assert torch.equal(sub.positions, positions[first:]) and sub.logits_indices_padded is None
 
     scale = HEAD_DIM**-0.5
     shape = PrefixAttentionBackend.get_kv_cache_shape(batch.num_blocks, 16, NUM_KV_HEADS, HEAD_DIM)

@@ -219,6 +219,10 @@ def test_batches_of_new_prefills_go_to_the_engines_kernel() -> None:
     assert planner.probe.sharing is True  # not taught by the extend batch
     assert kind(run_step(planner, SHARED)) == "hinted"
     assert planner.plan_kinds["delegated"] == 1
+    # After a batch without sharing (an unshared plan would plan it the same way), too.
+    run_step(planner, PRIVATE)
+    assert planner.probe.sharing is False and planner.options.delegate_unshared is False
+    assert prefill() == "delegated"
 
 
 def test_steps_of_several_tokens_keep_teaching() -> None:

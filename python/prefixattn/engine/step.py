@@ -657,17 +657,20 @@ class StepPlanner:
         if not device_table or capture or num_real <= 0:
             return StepChoice("copy")
         delegate = delegate and not graph
-        if not self.probe.expects_sharing():
+        expects_sharing = self.probe.expects_sharing()
+        hint = self.table_hint.take() if self.options.hinted_plans else None
+        # A batch of new prefills: the unshared plan and a hinted one alike plan each of its
+        # requests private.
+        prefills = delegate and prefill_only and self.options.delegate_prefills
+        if prefills and (not expects_sharing or hint is not None):
+            return StepChoice("delegated")
+        if not expects_sharing:
             if delegate and self.options.delegate_unshared:
                 return StepChoice("delegated")
             if self.options.unshared_plans:
                 return StepChoice("unshared")
-        if self.options.hinted_plans and (decode or not graph):
-            hint = self.table_hint.take()
-            if hint is not None:
-                if delegate and prefill_only and self.options.delegate_prefills:
-                    return StepChoice("delegated")
-                return StepChoice("hinted", hint)
+        if hint is not None and (decode or not graph):
+            return StepChoice("hinted", hint)
         return StepChoice("copy")
 
     def plan_device(

@@ -136,9 +136,33 @@ class ForwardMetadata:
     """The core that built the plan (it owns the plan's buffers and scratch)."""
 
 
+def _pdmux_enabled(model_runner: Any) -> bool:
+    """Is SGLang's prefill-decode multiplexing on (0.5.23: the runtime context's disaggregation
+    settings; earlier: the server arguments)?"""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        if getattr(get_disagg(), "enable_pdmux", False):
+            return True
+    except (ImportError, AttributeError, KeyError, RuntimeError, ValueError):
+        pass  # no runtime context (SGLang < 0.5.19, or its settings not published here)
+    return bool(getattr(getattr(model_runner, "server_args", None), "enable_pdmux", False))
+
+
 def new_delegate_backend(model_runner: Any) -> Any:
     """SGLang's ``flashinfer`` backend over the same pools, for the steps prefixattn gains
-    nothing on (``StepOptions.delegate_unshared``); None where it cannot be made here."""
+    nothing on (``StepOptions.delegate_unshared``); None where it cannot be made here.
+
+    It takes SGLang's shared flashinfer workspace (384 MiB, 512 MiB for some models), which
+    SGLang's memory sizing does not count for this backend. Not under prefill-decode
+    multiplexing (``--enable-pdmux``), whose prefill and decode backends run at once and need
+    workspaces of their own."""
+    if _pdmux_enabled(model_runner):
+        logger.warning(
+            "prefixattn: no steps on SGLang's flashinfer backend under --enable-pdmux (the "
+            "two attention backends would share one flashinfer workspace)"
+        )
+        return None
     try:
         from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -218,6 +242,10 @@ class PrefixAttnBackend(AttentionBackend):
             and self.dtype in (torch.float16, torch.bfloat16)
         ):
             self.delegate_backend = new_delegate_backend(model_runner)
+        if self.delegate_backend is not None:
+            # SGLang's flashinfer autotune sizes its dummy extend batch by this: within the
+            # request pool, as flashinfer's buffers are.
+            self.extend_dummy_seqs_capped_by_req_pool = True
 
     @property
     def core(self) -> PrefixAttention:

@@ -235,8 +235,7 @@ def _requests_after(
     qsl_cpu = cm.query_start_loc_cpu[start : b + 1]
     first = int(qsl_cpu[0])
     q_lens = qsl_cpu[1:] - qsl_cpu[:-1]
-    return dataclasses.replace(
-        cm,
+    changes: dict[str, Any] = dict(
         query_start_loc=cm.query_start_loc[start : b + 1] - first,
         query_start_loc_cpu=qsl_cpu - first,
         seq_lens=cm.seq_lens[start:b],
@@ -248,6 +247,18 @@ def _requests_after(
         slot_mapping=cm.slot_mapping[first:],
         seq_lens_cpu_upper_bound=host_lens[start:b],
     )
+    # Every other per-request or per-token field describes the whole batch: sliced where it
+    # is the tokens' positions, else its default (as vLLM's own request slices have them).
+    for f in dataclasses.fields(cm):
+        if f.name in changes or f.name == "causal" or not f.init:
+            continue
+        if f.name == "positions" and cm.positions is not None:
+            changes["positions"] = cm.positions[first:]
+        elif f.default is not dataclasses.MISSING:
+            changes[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            changes[f.name] = f.default_factory()
+    return dataclasses.replace(cm, **changes)
 
 
 def _kernels_built() -> bool:
@@ -739,7 +750,13 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
             )
         s = md.num_tokens
         self.delegate_impl.forward(
-            layer, query[s:], key[s:], value[s:], kv_cache, md.prefill, output[s:]
+            layer,
+            query[s:],
+            None if key is None else key[s:],
+            None if value is None else value[s:],
+            kv_cache,
+            md.prefill,
+            output[s:],
         )
 
     def do_kv_cache_update(
