@@ -729,35 +729,21 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         k_cache, v_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         return k_cache, v_cache
 
-    def _run_prefill_chunks(
-        self,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: PrefixAttentionMetadata,
-        output: torch.Tensor,
-    ) -> None:
-        """The step's prefill chunks (rows ``md.num_tokens:``) on FLASH_ATTN, if it has any."""
-        if md.prefill is None:
-            return
+    def _on_flash_attn(self, first: int, args: tuple[Any, ...], fa_metadata: Any) -> Any:
+        """FLASH_ATTN's forward over rows ``first:`` of the step (``args``: this forward's
+        layer, query, key, value, kv_cache and output)."""
         if self.delegate_impl is None:
             raise RuntimeError(
-                "prefixattn: the step's prefill chunks were given to vLLM's FLASH_ATTN kernel, "
-                "which this layer could not set up; run with additional_config={'prefixattn': "
-                "{'delegate_prefills': False}}"
+                "prefixattn: rows of the step were given to vLLM's FLASH_ATTN kernel, which "
+                "this layer could not set up; run with additional_config={'prefixattn': "
+                "{'delegate_unshared': False, 'delegate_prefills': False}}"
             )
-        s = md.num_tokens
-        self.delegate_impl.forward(
-            layer,
-            query[s:],
-            None if key is None else key[s:],
-            None if value is None else value[s:],
-            kv_cache,
-            md.prefill,
-            output[s:],
-        )
+        layer, query, key, value, kv_cache, output = args
+        if first:
+            query, output = query[first:], output[first:]
+            key = None if key is None else key[first:]
+            value = None if value is None else value[first:]
+        return self.delegate_impl.forward(layer, query, key, value, kv_cache, fa_metadata, output)
 
     def do_kv_cache_update(
         self,
@@ -811,18 +797,12 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         if attn_metadata is None:
             # Profiling run: no plan, nothing to attend to.
             return output.fill_(0)
+        args = (layer, query, key, value, kv_cache, output)
         if not isinstance(attn_metadata, PrefixAttentionMetadata):
             # FLASH_ATTN's metadata: the builder gave the step to vLLM's kernel.
-            if self.delegate_impl is None:
-                raise RuntimeError(
-                    "prefixattn: the step was given to vLLM's FLASH_ATTN kernel, which this "
-                    "layer could not set up; run with additional_config={'prefixattn': "
-                    "{'delegate_unshared': False}}"
-                )
-            return self.delegate_impl.forward(
-                layer, query, key, value, kv_cache, attn_metadata, output
-            )
-        self._run_prefill_chunks(layer, query, key, value, kv_cache, attn_metadata, output)
+            return self._on_flash_attn(0, args, attn_metadata)
+        if attn_metadata.prefill is not None:  # the prefill chunks after the planned rows
+            self._on_flash_attn(attn_metadata.num_tokens, args, attn_metadata.prefill)
         n = attn_metadata.num_tokens
         k_cache, v_cache = self._split_cache(kv_cache)
         out = output[:n].view(n, self.num_heads, self.head_size)
