@@ -683,6 +683,31 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
     assert f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/pa:{sstack}:{cutlass}:{vstack} " in one.stdout
 
 
+def test_run_gpu_script_runs_the_matrix_on_each_stack(tmp_path) -> None:
+    """tools/serving/run_gpu.sh matrix (DRY_RUN=1): the matrix for vLLM, then SGLang, each on
+    its own stack, under BUDGET, reports named by engine."""
+    root = Path(__file__).resolve().parents[2]
+    vstack, sstack = tmp_path / "v", tmp_path / "s"
+    vstack.mkdir()
+    sstack.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "VLLM_STACK": str(vstack), "SGLANG_STACK": str(sstack),
+           "PA": "/pa", "OUT": str(out), "BUDGET": "300", "VLLM_ARGS": "--select delegate",
+           "SGLANG_ARGS": "--select delegate --cells forest"}  # fmt: skip
+    done = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "matrix"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    vllm = (out / "matrix-vllm.log").read_text()
+    sglang = (out / "matrix-sglang.log").read_text()
+    assert f"PYTHONPATH=/pa:{vstack} " in vllm and "--engines vllm --budget 280" in vllm
+    assert f"--out-json {out}/matrix-vllm.json --select delegate" in vllm
+    assert f"PYTHONPATH=/pa:{sstack}:{vstack} " in sglang and "--cells forest" in sglang
+    missing = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "matrix"],
+                             env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
+
+
 def test_sglang_step_marker_wraps_each_forward_once(monkeypatch) -> None:
     """tools/sglang/stepmark.py on a stand-in for SGLang's model runner: the forward pass runs
     inside one profiler range of its name, returns what it returned, and registering twice

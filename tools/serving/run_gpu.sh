@@ -10,11 +10,17 @@
 #           own process group, at once; on a machine of one GPU both run on it, one after
 #           the other (2 x BUDGET). Then slim copies of their profiles' traces
 #           (`tools/trace_summary.py --slim`) in $OUT/slim.
+#   matrix  the integration matrix (`python -m tools.matrix.run_matrix --engines vllm
+#           $VLLM_ARGS`, then `--engines sglang $SGLANG_ARGS`), each on its stack under
+#           BUDGET seconds, every GPU visible; reports and logs in $OUT/matrix-ENGINE.*
+#           (its models and engine logs in the folder $OUT/matrix-ENGINE)
 #
 #   VLLM_STACK=/root/site33 SGLANG_STACK=/root/site-sgl23 bash tools/serving/run_gpu.sh setup
 #   VLLM_ARGS="--workloads forest --backends bound readfloor prefixattn --reps 2" \
 #     SGLANG_ARGS="--workloads forest --backends bound readfloor prefixattn --reps 2" \
 #     VLLM_STACK=... SGLANG_STACK=... BUDGET=560 bash tools/serving/run_gpu.sh run
+#   VLLM_ARGS="--select delegate" SGLANG_ARGS="--select delegate" VLLM_STACK=... \
+#     SGLANG_STACK=... BUDGET=280 bash tools/serving/run_gpu.sh matrix
 #
 # Env: VLLM_STACK, SGLANG_STACK (the engines' package folders; the SGLang stack may lack
 # torch, which then comes from the vLLM stack after it), PA (prefixattn's folder, default
@@ -106,8 +112,28 @@ case "${1:-}" in
     done
     exit $rc
     ;;
+  matrix)
+    [ -n "${VLLM_ARGS:-}${SGLANG_ARGS:-}" ] || {
+      echo "run_gpu.sh matrix: set VLLM_ARGS and/or SGLANG_ARGS" >&2
+      exit 2
+    }
+    rc=0
+    for engine in vllm sglang; do
+      if [ "$engine" = vllm ]; then args=${VLLM_ARGS:-} path=$vllm_path; else
+        args=${SGLANG_ARGS:-} path=$sglang_path
+      fi
+      [ -n "$args" ] || continue
+      # shellcheck disable=SC2086
+      (PYTHONPATH=$path run setsid timeout -k 10 "$BUDGET" python3 -m tools.matrix.run_matrix \
+        --engines "$engine" --budget $((BUDGET - 20)) --work "$OUT/matrix-$engine" \
+        --out-md "$OUT/matrix-$engine.md" --out-json "$OUT/matrix-$engine.json" $args \
+        >"$OUT/matrix-$engine.log" 2>&1) || rc=1
+      tail -n 5 "$OUT/matrix-$engine.log"
+    done
+    exit $rc
+    ;;
   *)
-    echo "usage: bash tools/serving/run_gpu.sh setup|run (see the header)" >&2
+    echo "usage: bash tools/serving/run_gpu.sh setup|run|matrix (see the header)" >&2
     exit 2
     ;;
 esac
