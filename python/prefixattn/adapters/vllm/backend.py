@@ -33,6 +33,11 @@ Start-up: on a CUDA device without the compiled CUDA kernels the backend refuses
 (:meth:`PrefixAttentionBackend.validate_configuration` names the reason) rather than run the
 PyTorch reference.
 
+Steps on vLLM's own kernel (``StepOptions.delegate_unshared`` / ``delegate_prefills``, off by
+default; :mod:`.delegate`): the builder may return ``FLASH_ATTN``'s metadata for a whole step,
+or a plan with ``FLASH_ATTN``'s metadata for the step's prefill chunks beside it
+(:attr:`PrefixAttentionMetadata.prefill`); the impl runs those rows on ``FLASH_ATTN``'s impl.
+
 CUDA graphs: with the compiled CUDA kernels loaded and a core that declares
 ``PrefixAttention.cuda_graph_safe``, the builder reports ``AttentionCGSupport.UNIFORM_BATCH``
 (vLLM's default ``FULL_AND_PIECEWISE`` mode then captures full graphs for uniform decode
