@@ -705,6 +705,16 @@ def test_prefill_chunks_run_on_vllms_kernel_beside_planned_decodes(
     assert torch.equal(sub.seq_lens, batch.seq_lens[nd:])
     assert torch.equal(sub.slot_mapping, batch.slot_mapping[first:])
     assert sub.max_query_len == int(q[nd:].max())
+    # The planner looked at every request, the chunks' too (the next step's hint).
+    hint = builder.planner.table_hint.take()
+    assert hint is not None and hint.shape[0] == 12
+    assert (hint[nd:, 0] == batch.block_table[nd:, 0].numpy()).all()
+    # The next such step plans its decodes from that hint, and looks at all of it again.
+    again = builder.build(0, cm)
+    assert isinstance(again, vllm_backend.PrefixAttentionMetadata) and again.prefill is not None
+    assert _kind(again.plan).startswith("hinted") and again.num_tokens == first
+    hint = builder.planner.table_hint.take()
+    assert hint is not None and hint.shape[0] == 12
     # Other per-token fields: sliced (positions) or left out, never the whole batch's.
     assert torch.equal(sub.positions, positions[first:]) and sub.logits_indices_padded is None
 

@@ -642,11 +642,17 @@ def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
     assert bench.STEP_MARKER == {"vllm": "execute_context_", "sglang": "sglang.forward"}
 
 
+def _run_gpu(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``bash tools/serving/run_gpu.sh COMMAND`` with ``env`` (DRY_RUN=1 in the tests)."""
+    script = Path(__file__).resolve().parents[2] / "tools/serving/run_gpu.sh"
+    return subprocess.run(["bash", str(script), command], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+
+
 def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
     """tools/serving/run_gpu.sh (DRY_RUN=1: the commands only): vLLM on GPU 0 and SGLang on
     GPU 1 (on a machine of one GPU, both on GPU 0), each with its own stack on the path; cutlass's folder for SGLang (its .pth is not
     read from a --target install) and the SGLang stack's torchvision for vLLM."""
-    root = Path(__file__).resolve().parents[2]
     vstack, sstack = tmp_path / "v", tmp_path / "s"
     (sstack / "nvidia_cutlass_dsl" / "dsl_packages").mkdir(parents=True)
     (sstack / "torchvision").mkdir()
@@ -657,8 +663,7 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
            "PA": "/pa", "OUT": str(out), "BUDGET": "300", "GPUS": "2",
            "VLLM_ARGS": "--workloads forest --backends bound readfloor",
            "SGLANG_ARGS": "--workloads forest --profile /tmp/none"}  # fmt: skip
-    done = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = _run_gpu("run", env)
     assert done.returncode == 0, done.stderr
     vllm = (out / "vllm.log").read_text()
     sglang = (out / "sglang.log").read_text()
@@ -669,14 +674,10 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
     assert f"CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/pa:{sstack}:{cutlass}:{vstack} " in sglang
     assert (out / "torchvision-path" / "torchvision").is_symlink()
     assert (out / "torchvision-path" / "torchvision-0.29.0.dist-info").is_symlink()
-    missing = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"],
-                             env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
-                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    missing = _run_gpu("run", {**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""})
     assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
     # One GPU: both engines on it (one after the other).
-    one = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "run"],
-                         env={**env, "GPUS": "1"},
-                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    one = _run_gpu("run", {**env, "GPUS": "1"})
     assert one.returncode == 0, one.stderr
     assert "CUDA_VISIBLE_DEVICES=1" not in one.stdout
     assert f"CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/pa:{vstack}:{out}/torchvision-path " in one.stdout
@@ -686,7 +687,6 @@ def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:
 def test_run_gpu_script_runs_the_matrix_on_each_stack(tmp_path) -> None:
     """tools/serving/run_gpu.sh matrix (DRY_RUN=1): the matrix for vLLM, then SGLang, each on
     its own stack, under BUDGET, reports named by engine."""
-    root = Path(__file__).resolve().parents[2]
     vstack, sstack = tmp_path / "v", tmp_path / "s"
     vstack.mkdir()
     sstack.mkdir()
@@ -694,17 +694,14 @@ def test_run_gpu_script_runs_the_matrix_on_each_stack(tmp_path) -> None:
     env = {**os.environ, "DRY_RUN": "1", "VLLM_STACK": str(vstack), "SGLANG_STACK": str(sstack),
            "PA": "/pa", "OUT": str(out), "BUDGET": "300", "VLLM_ARGS": "--select delegate",
            "SGLANG_ARGS": "--select delegate --cells forest"}  # fmt: skip
-    done = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "matrix"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = _run_gpu("matrix", env)
     assert done.returncode == 0, done.stderr
     vllm = (out / "matrix-vllm.log").read_text()
     sglang = (out / "matrix-sglang.log").read_text()
     assert f"PYTHONPATH=/pa:{vstack} " in vllm and "--engines vllm --budget 280" in vllm
     assert f"--out-json {out}/matrix-vllm.json --select delegate" in vllm
     assert f"PYTHONPATH=/pa:{sstack}:{vstack} " in sglang and "--cells forest" in sglang
-    missing = subprocess.run(["bash", str(root / "tools/serving/run_gpu.sh"), "matrix"],
-                             env={**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""},
-                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    missing = _run_gpu("matrix", {**env, "VLLM_ARGS": "", "SGLANG_ARGS": ""})
     assert missing.returncode == 2 and "set VLLM_ARGS and/or SGLANG_ARGS" in missing.stderr
 
 

@@ -687,6 +687,7 @@ class StepPlanner:
         columns: int | None = None,
         ids: npt.ArrayLike | None = None,
         prefill_only: bool = False,
+        whole: tuple[torch.Tensor, np.ndarray, npt.ArrayLike | None] | None = None,
     ) -> LaunchPlan:
         """Plan a step chosen ``"unshared"`` or ``"hinted"`` from the device ``table`` (int32,
         rows ``:num_real`` the real requests', later rows the engine's padding rows if any),
@@ -702,12 +703,14 @@ class StepPlanner:
         ``ids``: the real requests' ids where the engine has them on the host (stable while
         a request runs, e.g. vLLM's request-state index): hints then follow requests by id
         (:func:`continued_rows`), else by lengths. ``prefill_only``: the batch holds new
-        requests' prefills alone (SGLang's extend batches; :meth:`teaches`).
+        requests' prefills alone (SGLang's extend batches; :meth:`teaches`). ``whole``: the
+        whole batch's device table, lengths and ids where the plan covers only its first
+        requests (the others run on the engine's kernel): the look takes all of them.
         """
         t0 = time.perf_counter()
         plan = self._plan_device(
             attention, choice, table, seq_lens, qo_indptr, num_real=num_real, rows=rows,
-            private=private, columns=columns, ids=ids, prefill_only=prefill_only,
+            private=private, columns=columns, ids=ids, prefill_only=prefill_only, whole=whole,
         )  # fmt: skip
         self.host_seconds[choice.kind] += time.perf_counter() - t0
         if self.options.count_fallbacks:
@@ -728,6 +731,7 @@ class StepPlanner:
         columns: int | None,
         ids: npt.ArrayLike | None,
         prefill_only: bool,
+        whole: tuple[torch.Tensor, np.ndarray, npt.ArrayLike | None] | None = None,
     ) -> LaunchPlan:
         real_ids = None if ids is None else np.asarray(ids)[:num_real]
         # The batch and its lengths (a copy: engines refill their host buffers in place),
@@ -756,7 +760,10 @@ class StepPlanner:
         if choice.kind != "hinted":
             self._run_hint = None
         self.plan_kinds[choice.kind] += 1
-        self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
+        if whole is None:
+            self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
+        else:
+            self._look_at(*whole, columns=columns, prefill_only=prefill_only)
         return plan
 
     def delegated(
@@ -781,6 +788,24 @@ class StepPlanner:
         self.plan_kinds["delegated"] += 1
         self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
         self.host_seconds["delegated"] += time.perf_counter() - t0
+
+    def _look_at(
+        self,
+        table: torch.Tensor,
+        seq_lens: np.ndarray,
+        ids: npt.ArrayLike | None,
+        *,
+        columns: int | None,
+        prefill_only: bool,
+    ) -> None:
+        """:meth:`_look` at every row of ``table`` (a whole batch, part of which the engine's
+        kernel runs)."""
+        n = table.shape[0]
+        real_ids = None if ids is None else np.asarray(ids)[:n]
+        lens = np.array(seq_lens[:n], dtype=np.int64)
+        self._look(
+            table, _batch_key(n, None, real_ids), lens, seq_lens, n, columns, real_ids, prefill_only
+        )
 
     def note_delegated(self) -> None:
         """Count a step that the engine's own kernel runs without a look at its rows (one
@@ -955,19 +980,23 @@ class StepPlanner:
         capture: bool = False,
         ids: npt.ArrayLike | None = None,
         prefill_only: bool = False,
+        whole: tuple[np.ndarray, np.ndarray, npt.ArrayLike | None] | None = None,
     ) -> LaunchPlan:
         """Plan a step chosen ``"copy"`` with :meth:`PrefixAttention.plan` from the host
         ``table`` (rows ``:num_real`` the real requests', then any padding rows), after
         recording its sharing and its rows (with their ``ids``, as in :meth:`plan_device`)
-        as a later step's hint where it teaches (:meth:`teaches`: not a capture batch)."""
+        as a later step's hint where it teaches (:meth:`teaches`: not a capture batch).
+        ``whole``: as in :meth:`plan_device`, on the host."""
         t0 = time.perf_counter()
-        if num_real > 0 and self.teaches(prefill_only=prefill_only, capture=capture):
-            self.probe.observe(table[:num_real, 0])
+        seen, seen_lens, seen_ids, n = table, seq_lens, ids, num_real
+        if whole is not None:
+            seen, seen_lens, seen_ids = whole
+            n = seen.shape[0]
+        if n > 0 and self.teaches(prefill_only=prefill_only, capture=capture):
+            self.probe.observe(seen[:n, 0])
             if self.options.hinted_plans:
-                real_ids = None if ids is None else np.asarray(ids)[:num_real]
-                self.table_hint.observe(
-                    table[:num_real], seq_lens[:num_real], self.page_size, real_ids
-                )
+                real_ids = None if seen_ids is None else np.asarray(seen_ids)[:n]
+                self.table_hint.observe(seen[:n], seen_lens[:n], self.page_size, real_ids)
                 self._hint_run = None  # the next device-table step copies its rows again
         self._run_hint = None
         with record_function("prefixattn.plan"):

@@ -587,13 +587,15 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             )  # fmt: skip
             # The step's metadata is FLASH_ATTN's (the impl tells them apart by type).
             return self.delegate_builder.build(0, cm, fast_build)
-        prefill = None
+        prefill = whole = None
         if split is not None:
             assert host_lens is not None
             prefill = self.delegate_builder.build(
                 0, _requests_after(cm, split, b, host_lens[:b]), fast_build
             )
-            b, ids = split, None if ids is None else ids[:split]
+            # The planner looks at every request, the chunks' too (a later step's hint).
+            whole = (cm.block_table_tensor[:b], host_lens[:b].numpy().astype(np.int32), ids)
+            b_all, b, ids = b, split, None if ids is None else ids[:split]
             n_real = int(qsl[b])
         num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
         pad = num_tokens - n_real
@@ -606,18 +608,24 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             plan = self.planner.plan_device(
                 attention, choice, cm.block_table_tensor[:b], lens, indptr, num_real=b,
                 rows=rows, private=np.arange(b + pad) >= b, columns=self._columns(cm), ids=ids,
+                whole=whole,
             )  # fmt: skip
         else:
             # Named ranges for profiles (tools' trace summary): the copy of the block table to
             # the host waits for the work queued before it.
             with record_function("prefixattn.host_tables"):
-                table, lens = self._host_table_and_lens(cm, b)
+                table, lens = self._host_table_and_lens(cm, b if whole is None else b_all)
+            host_whole = None
+            if whole is not None:  # the chunks' rows are looked at, not planned
+                host_whole = (table, lens, whole[2])
+                table, lens = table[:b], lens[:b]
             lens, indptr = _with_padding(lens, qsl, b, pad)
             # Padding requests attend to the null block.
             table = np.concatenate([table, np.full((pad, table.shape[1]), NULL_BLOCK, np.int32)])
             plan = self.planner.plan_host(
-                attention, table, lens, indptr, num_real=b, capture=capture, ids=ids
-            )
+                attention, table, lens, indptr, num_real=b, capture=capture, ids=ids,
+                whole=host_whole,
+            )  # fmt: skip
         if eligible and not capture:
             self.planner.check()
         return PrefixAttentionMetadata(
