@@ -781,12 +781,9 @@ class StepPlanner:
         look at its rows that :meth:`plan_device` takes (the probe's verdict, a later step's
         hint), with the same arguments."""
         t0 = time.perf_counter()
-        real_ids = None if ids is None else np.asarray(ids)[:num_real]
-        key = _batch_key(num_real, rows, real_ids)
-        lens = np.array(seq_lens[:num_real], dtype=np.int64)
         self._run_hint = None
         self.plan_kinds["delegated"] += 1
-        self._look(table, key, lens, seq_lens, num_real, columns, real_ids, prefill_only)
+        self._look_at(table, seq_lens, ids, num_real, rows, columns, prefill_only)
         self.host_seconds["delegated"] += time.perf_counter() - t0
 
     def _look_at(
@@ -794,18 +791,18 @@ class StepPlanner:
         table: torch.Tensor,
         seq_lens: np.ndarray,
         ids: npt.ArrayLike | None,
-        *,
-        columns: int | None,
-        prefill_only: bool,
+        num_real: int | None = None,
+        rows: np.ndarray | None = None,
+        columns: int | None = None,
+        prefill_only: bool = False,
     ) -> None:
-        """:meth:`_look` at every row of ``table`` (a whole batch, part of which the engine's
-        kernel runs)."""
-        n = table.shape[0]
+        """:meth:`_look` at a batch's rows without planning it (``num_real`` None: every row
+        of ``table``, a whole batch part of which the engine's kernel runs)."""
+        n = table.shape[0] if num_real is None else num_real
         real_ids = None if ids is None else np.asarray(ids)[:n]
         lens = np.array(seq_lens[:n], dtype=np.int64)
-        self._look(
-            table, _batch_key(n, None, real_ids), lens, seq_lens, n, columns, real_ids, prefill_only
-        )
+        key = _batch_key(n, rows, real_ids)
+        self._look(table, key, lens, seq_lens, n, columns, real_ids, prefill_only)
 
     def note_delegated(self) -> None:
         """Count a step that the engine's own kernel runs without a look at its rows (one

@@ -94,6 +94,9 @@ except ImportError:  # vLLM 0.26-0.28: get_kv_cache_shape / get_kv_cache_stride_
     KVCacheLayout = None
 
 OPTIONS_KEY = "prefixattn"
+
+NAMED_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""vLLM's ``kv_cache_dtype`` names that fix the cache's dtype ("auto": the model's)."""
 """Key of this backend's :class:`StepOptions` in vLLM's ``additional_config``."""
 
 
@@ -186,7 +189,7 @@ class PrefixAttentionBackend(AttentionBackend):
     ) -> str | None:
         if use_mm_prefix:
             return "bidirectional multimodal prefixes not supported (attention is causal)"
-        named = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(kv_cache_dtype))
+        named = NAMED_KV_DTYPES.get(str(kv_cache_dtype))
         if named is not None and named != dtype:
             return f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}"
         return None
@@ -577,31 +580,33 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             device_table=device_table,
             delegate=self.delegate_builder is not None,
         )
+        # The real requests' exact host lengths, where the device table can be read.
+        lens_b = host_lens[:b].numpy().astype(np.int32) if device_table else None
         if choice.kind == "delegated" or split == 0:
             # vLLM's FLASH_ATTN runs the step (never a graph step: no padding); the planner
             # only looks at its rows.
-            assert host_lens is not None
+            assert lens_b is not None
             self.planner.delegated(
-                cm.block_table_tensor[:b], host_lens[:b].numpy().astype(np.int32), num_real=b,
+                cm.block_table_tensor[:b], lens_b, num_real=b,
                 rows=np.arange(b, dtype=np.int32), columns=self._columns(cm), ids=ids,
             )  # fmt: skip
             # The step's metadata is FLASH_ATTN's (the impl tells them apart by type).
             return self.delegate_builder.build(0, cm, fast_build)
         prefill = whole = None
         if split is not None:
-            assert host_lens is not None
+            assert host_lens is not None and lens_b is not None
             prefill = self.delegate_builder.build(
                 0, _requests_after(cm, split, b, host_lens[:b]), fast_build
             )
             # The planner looks at every request, the chunks' too (a later step's hint).
-            whole = (cm.block_table_tensor[:b], host_lens[:b].numpy().astype(np.int32), ids)
+            whole = (cm.block_table_tensor[:b], lens_b, ids)
             b_all, b, ids = b, split, None if ids is None else ids[:split]
             n_real = int(qsl[b])
         num_tokens = max(cm.num_actual_tokens, n_real) if eligible else n_real
         pad = num_tokens - n_real
         if choice.device_table:
-            assert host_lens is not None
-            lens, indptr = _with_padding(host_lens[:b].numpy().astype(np.int32), qsl, b, pad)
+            assert lens_b is not None
+            lens, indptr = _with_padding(lens_b[:b], qsl, b, pad)
             # Padding tokens read one slot of row 0's first block, and take no part in its
             # prefix (private).
             rows = np.concatenate([np.arange(b, dtype=np.int32), np.zeros(pad, np.int32)])
@@ -722,7 +727,7 @@ class PrefixAttentionImpl(AttentionImpl[PrefixAttentionMetadata]):
         self.delegate_impl: Any = None
         """``FLASH_ATTN``'s impl of this layer, for steps the builder delegates (made where
         :func:`.delegate.unavailable_reason` allows, as the builder asks it)."""
-        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
+        dtype = NAMED_KV_DTYPES.get(kv_cache_dtype)
         if dtype is None:  # "auto": the model's dtype
             dtype = _model_dtype()
         if (
