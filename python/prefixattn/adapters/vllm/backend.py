@@ -94,10 +94,10 @@ except ImportError:  # vLLM 0.26-0.28: get_kv_cache_shape / get_kv_cache_stride_
     KVCacheLayout = None
 
 OPTIONS_KEY = "prefixattn"
+"""Key of this backend's :class:`StepOptions` in vLLM's ``additional_config``."""
 
 NAMED_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 """vLLM's ``kv_cache_dtype`` names that fix the cache's dtype ("auto": the model's)."""
-"""Key of this backend's :class:`StepOptions` in vLLM's ``additional_config``."""
 
 
 class PrefixAttentionBackend(AttentionBackend):
