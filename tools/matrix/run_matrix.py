@@ -234,12 +234,13 @@ def serving() -> list[Cell]:
 
 def delegate() -> list[Cell]:
     """The steps prefixattn gives to the engine's own kernel (``delegate`` mode), where they
-    occur: one request at a time under graphs (vLLM's single-request graphs), forests (eager
-    unshared steps, prefill chunks beside planned decodes, SGLang's extend batches), long
-    private prompts and chat without sharing; graphs on and off."""
-    cells = [("vllm", w, "on") for w in ("lowload", "forest", "longprompt")]
-    cells += [("vllm", "none", "off"), ("sglang", "forest", "off")]
-    cells += [("sglang", w, "on") for w in ("longprompt", "none")]
+    occur: requests joining as others leave (prefill chunks beside planned decodes, eager
+    steps with and without sharing, SGLang's extend batches), one request at a time under
+    graphs (vLLM's single-request graphs), chat without sharing and long private prompts;
+    graphs on and off. The cells most paths go through come first."""
+    cells = [("vllm", w, "on") for w in ("arrivals", "lowload")]
+    cells += [("vllm", "none", "off"), ("vllm", "longprompt", "on"), ("sglang", "arrivals", "off")]
+    cells += [("sglang", w, "on") for w in ("none", "longprompt")]
     return [Cell(e, "32/8", 128, w, g, 1, "delegate") for e, w, g in cells]
 
 
