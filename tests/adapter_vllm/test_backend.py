@@ -652,6 +652,7 @@ def test_graphs_of_one_request_run_on_vllms_kernel(
     replayed = builder.build(0, one.metadata(host_lens=True))
     assert captured == ("flash_attn metadata", 1) and replayed == ("flash_attn metadata", 2)
     assert builder.plan_kinds["delegated"] == 1  # the replay; capture batches are not counted
+    assert builder.delegated_captures == 1 and builder.graph.captured_generation is None
     # Two tokens: another graph, planned by prefixattn.
     two = Batch(rng, 16, 2, False)
     assert isinstance(

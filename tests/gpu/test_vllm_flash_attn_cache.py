@@ -56,11 +56,14 @@ def test_flash_attn_reads_prefixattns_vllm_cache() -> None:
     ours = torch.empty_like(q)
     attention.run(q, k_cache, v_cache, scale=scale, out=ours, plan=plan)
 
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
     theirs = torch.empty_like(q)
     fa.flash_attn_varlen_func(
         q=q, k=k_cache, v=v_cache, out=theirs, max_seqlen_q=max(q_lens),
         cu_seqlens_q=torch.from_numpy(indptr).to(dev), max_seqlen_k=max(lens),
         seqused_k=torch.tensor(lens, dtype=torch.int32, device=dev),
         block_table=torch.from_numpy(table).to(dev), softmax_scale=scale, causal=True,
+        fa_version=get_flash_attn_version(),  # FA3 on Hopper, as the engine runs it
     )  # fmt: skip
     torch.testing.assert_close(theirs, ours, atol=2e-2, rtol=2e-2)

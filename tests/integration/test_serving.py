@@ -642,11 +642,31 @@ def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
     assert bench.STEP_MARKER == {"vllm": "execute_context_", "sglang": "sglang.forward"}
 
 
-def _run_gpu(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``bash tools/serving/run_gpu.sh COMMAND`` with ``env`` (DRY_RUN=1 in the tests)."""
+def _run_gpu(
+    command: str, env: dict[str, str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``bash tools/serving/run_gpu.sh COMMAND ARGS`` with ``env`` (DRY_RUN=1 in the tests)."""
     script = Path(__file__).resolve().parents[2] / "tools/serving/run_gpu.sh"
-    return subprocess.run(["bash", str(script), command], env=env, capture_output=True,
+    return subprocess.run(["bash", str(script), command, *args], env=env, capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
+
+
+def test_run_gpu_script_runs_pytest_on_the_vllm_stack(tmp_path) -> None:
+    """tools/serving/run_gpu.sh pytest (DRY_RUN=1): the tests named, on the vLLM stack with
+    the SGLang stack's torchvision (the image's does not load beside the stack's torch, and
+    ``import vllm`` reaches it through transformers)."""
+    vstack, sstack = tmp_path / "v", tmp_path / "s"
+    vstack.mkdir()
+    (sstack / "torchvision").mkdir(parents=True)
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "VLLM_STACK": str(vstack), "SGLANG_STACK": str(sstack),
+           "PA": "/pa", "OUT": str(out)}  # fmt: skip
+    done = _run_gpu("pytest", env, "tests/gpu/test_vllm_flash_attn_cache.py", "-x")
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"PYTHONPATH=/pa:{vstack}:{out}/torchvision-path python3 -m pytest -q -p "
+        "no:cacheprovider tests/gpu/test_vllm_flash_attn_cache.py -x"
+    ) in done.stdout
 
 
 def test_run_gpu_script_runs_each_engine_on_its_gpu_and_stack(tmp_path) -> None:

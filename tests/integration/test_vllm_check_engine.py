@@ -94,3 +94,22 @@ def test_spec_mode_passes_with_drafts(ce, monkeypatch, tmp_path) -> None:
     assert ok and result["ok"]
     assert result["custom_spec_decode"] == {"num_draft_tokens": 6}
     assert result["tokens"] == 2
+
+
+def test_full_decode_graphs_counts_graphs_given_to_flash_attn(ce) -> None:
+    """A builder whose graphs all hold FLASH_ATTN's kernels (one request at a time under
+    ``delegate_unshared``) still ran full decode graphs; one that captured none did not."""
+
+    def info(captured: int | None, delegated: int, mode: str = "FULL_AND_PIECEWISE") -> dict:
+        builder = {"builder": "PrefixAttentionMetadataBuilder", "full_graphs": True,
+                   "captured_generation": captured, "delegated_captures": delegated}  # fmt: skip
+        return {"cudagraph_mode": mode, "builders": [builder]}
+
+    assert ce.full_decode_graphs(info(3, 0))
+    assert ce.full_decode_graphs(info(None, 1))
+    assert ce.full_decode_graphs(info(3, 2))
+    assert not ce.full_decode_graphs(info(None, 0))
+    assert not ce.full_decode_graphs(info(None, 1, mode="PIECEWISE"))
+    old = info(None, 0)
+    del old["builders"][0]["delegated_captures"]  # a result from before the field
+    assert not ce.full_decode_graphs(old)

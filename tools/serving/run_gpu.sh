@@ -10,6 +10,8 @@
 #           own process group, at once; on a machine of one GPU both run on it, one after
 #           the other (2 x BUDGET). Then slim copies of their profiles' traces
 #           (`tools/trace_summary.py --slim`) in $OUT/slim.
+#   pytest  pytest on the vLLM stack (its torchvision from the SGLang stack, as below) with
+#           this tree's tests, e.g. `bash tools/serving/run_gpu.sh pytest tests/gpu`
 #   matrix  the integration matrix (`python -m tools.matrix.run_matrix --engines vllm
 #           $VLLM_ARGS`, then `--engines sglang $SGLANG_ARGS`), each on its stack under
 #           BUDGET seconds, every GPU visible; reports and logs in $OUT/matrix-ENGINE.*
@@ -112,6 +114,10 @@ case "${1:-}" in
     done
     exit $rc
     ;;
+  pytest)
+    shift
+    PYTHONPATH=$vllm_path run python3 -m pytest -q -p no:cacheprovider "$@"
+    ;;
   matrix)
     [ -n "${VLLM_ARGS:-}${SGLANG_ARGS:-}" ] || {
       echo "run_gpu.sh matrix: set VLLM_ARGS and/or SGLANG_ARGS" >&2
@@ -133,7 +139,7 @@ case "${1:-}" in
     exit $rc
     ;;
   *)
-    echo "usage: bash tools/serving/run_gpu.sh setup|run|matrix (see the header)" >&2
+    echo "usage: bash tools/serving/run_gpu.sh setup|run|pytest|matrix (see the header)" >&2
     exit 2
     ;;
 esac

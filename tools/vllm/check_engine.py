@@ -126,6 +126,7 @@ def worker_info(worker: Any) -> dict:
                     entry["full_graphs"] = b.full_graphs
                     entry["max_graph_tokens"] = b.max_graph_tokens
                     entry["captured_generation"] = b.graph.captured_generation
+                    entry["delegated_captures"] = getattr(b, "delegated_captures", 0)
                     entry["buffers_generation"] = b.attention.buffers_generation
                     entry["plan_kinds"] = dict(getattr(b, "plan_kinds", {}))
                 builders.append(entry)
@@ -136,13 +137,19 @@ def worker_info(worker: Any) -> dict:
 
 
 def full_decode_graphs(info: dict) -> bool:
-    """Did vLLM keep full decode graphs, and were all CUSTOM builders captured in them?"""
+    """Did vLLM keep full decode graphs, and were all CUSTOM builders captured in them? A
+    builder whose graphs all hold ``FLASH_ATTN``'s kernels (one-request graphs under
+    ``delegate_unshared``, e.g. ``max_num_seqs=1``) counts by its delegated captures."""
     mode = info.get("cudagraph_mode", "")
     builders = [b for b in info.get("builders", []) if "full_graphs" in b]
     return (
         "FULL" in mode
         and bool(builders)
-        and all(b["full_graphs"] and b["captured_generation"] is not None for b in builders)
+        and all(
+            b["full_graphs"]
+            and (b["captured_generation"] is not None or b.get("delegated_captures", 0) > 0)
+            for b in builders
+        )
     )
 
 

@@ -464,6 +464,8 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             self.delegate_builder = delegate.new_builder(
                 kv_cache_spec, layer_names, vllm_config, device
             )
+        self.delegated_captures = 0
+        """Graph captures given to ``FLASH_ATTN`` (:meth:`single_request_graph`)."""
         if self.delegate_builder is not None and options.delegate_prefills:
             # Decodes first, then prefill chunks, so the chunks are one run of rows.
             self.reorder_batch_threshold = self.decode_query_len
@@ -555,7 +557,9 @@ class PrefixAttentionMetadataBuilder(AttentionMetadataBuilder[PrefixAttentionMet
             # One request's decode shares nothing: FLASH_ATTN's kernels are captured into
             # this graph and run at every replay (decided by the padded shape alone, the
             # same at capture and replay). The batch teaches the planner nothing.
-            if not capture:
+            if capture:
+                self.delegated_captures += 1
+            else:
                 self.planner.note_delegated()
             return self.delegate_builder.build(0, cm, fast_build)
         attention = self.planner.attention_for(graph=eligible)
