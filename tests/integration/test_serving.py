@@ -462,6 +462,7 @@ def test_result_written_whole(tmp_path) -> None:
         (["--engine", "vllm", "--size", "forest.users=3"], "bad size 'forest.users=3'"),
         (["--engine", "vllm", "--backends", "bound", "bound"], "twice"),
         (["--engine", "vllm", "--reps", "0"], "--reps must be at least 1"),
+        (["--engine", "vllm", "--passes", "0"], "--passes must be at least 1"),
     ],
 )  # fmt: skip
 def test_bad_arguments(argv, message, capsys) -> None:
@@ -476,6 +477,54 @@ def test_backend_order_and_defaults() -> None:
     assert args.backends == ["bound", "FLASH_ATTN"]
     args = bench.parse_args(["--engine", "sglang"])
     assert args.backends == list(bench.BACKENDS["sglang"]) and args.workloads == list(wl.WORKLOADS)
+
+
+def test_passes_alternate_the_order_and_pool_the_runs(tmp_path, monkeypatch) -> None:
+    """``--passes 2``: every backend starts twice, the second time in reverse order (the
+    bound first in both), each start's log kept, and each backend's medians taken over the
+    timed runs of both starts."""
+    assert bench.pass_order(["bound", "A", "B"], 2) == ["bound", "A", "B", "bound", "B", "A"]
+    assert bench.pass_order(["A", "B", "C"], 3) == ["A", "B", "C", "C", "B", "A", "A", "B", "C"]
+    assert bench.pass_order(["A", "B"], 1) == ["A", "B"]
+    calls: list[tuple[str, str]] = []
+    ttft = {"prefixattn": iter([10.0, 12.0, 14.0, 30.0, 32.0, 34.0]),
+            "FLASH_ATTN": iter([20.0, 21.0, 22.0, 23.0, 24.0, 25.0, 26.0, 27.0, 28.0])}  # fmt: skip
+
+    def fake_run_backend(args, backend, model, timeout, tag=""):
+        calls.append((backend, tag))
+        runs = []
+        for _ in range(3):
+            t = next(ttft[backend])
+            runs.append({"output_tok_s": 100.0, "ttft_ms_p50": t, "ttft_ms_p99": 2 * t,
+                         "itl_ms_p50": 6.0, "itl_ms_p99": 30.0})  # fmt: skip
+        summary = {**engines.summarize_reps(runs), "runs": runs, "cache_resets_ok": True}
+        return {"finished": True, "exit": 0, "wall_s": 1.0, "engine_start_s": 0.5,
+                "workloads": {"forest": summary}}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_backend", fake_run_backend)
+    monkeypatch.setattr(bench, "gpu_name", lambda: None)
+    monkeypatch.setattr("tools.vllm.bench_decode.write_model", lambda path, n: None)
+    out = tmp_path / "r.json"
+    argv = ["--engine", "vllm", "--mode", "online", "--workloads", "forest", "--backends",
+            "prefixattn", "FLASH_ATTN", "--passes", "2", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(bench, "plot", lambda result, path: None)
+    assert bench.main(argv) == 0
+    assert calls == [("prefixattn", ""), ("FLASH_ATTN", ""), ("FLASH_ATTN", "-pass2"),
+                     ("prefixattn", "-pass2")]  # fmt: skip
+    result = json.loads(out.read_text())
+    ours = result["results"]["forest"]["prefixattn"]
+    assert ours["reps"] == 6 and len(ours["runs"]) == 6
+    assert ours["ttft_ms_p50"]["median"] == 22.0  # of 10 12 14 30 32 34
+    assert ours["ttft_ms_p50"]["min"] == 10.0 and ours["ttft_ms_p50"]["max"] == 34.0
+    assert len(result["backends"]["prefixattn"]["passes"]) == 2
+    assert result["backends"]["prefixattn"]["finished"] is True
+    assert "median of 6 runs" in out.with_suffix(".md").read_text()
+    # A pass that was cut off keeps the runs it has and marks the backend unfinished.
+    first = fake_run_backend(None, "FLASH_ATTN", "", 0.0)
+    cut = {"finished": False, "exit": 124, "error": "exited 124 after 9 s", "workloads": {}}
+    pooled = bench.pool_passes(first, cut)
+    assert pooled["finished"] is False and pooled["workloads"]["forest"]["reps"] == 3
+    assert pooled["error"] == "exited 124 after 9 s"
 
 
 def test_worker_environment(tmp_path) -> None:

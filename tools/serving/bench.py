@@ -118,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("offline", "online"), default="offline")
     ap.add_argument("--rate", type=float, default=8.0, help="online: requests per second")
     ap.add_argument("--reps", type=int, default=3, help="timed runs after the warm-up")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="engine starts per backend, the backends' order reversed in every "
+                         "second pass (the bound stays first); each pass's timed runs are "
+                         "pooled into the backend's medians")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -159,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.passes < 1:
+        ap.error("--passes must be at least 1")
     if args.rate <= 0:
         ap.error("--rate must be positive")
     if args.profile is not None and args.mode != "offline":
@@ -236,7 +242,8 @@ def markdown(result: dict[str, Any]) -> str:
     head = "| workload | " + " | ".join(backends) + " |\n|---|" + "---:|" * len(backends) + "\n"
     lines = [
         f"{result['engine_label']}, {result.get('gpu') or 'GPU unknown'}, {result['mode']}, "
-        f"8B-Llama shape (dummy weights); median of {result['config']['reps']} runs, "
+        f"8B-Llama shape (dummy weights); median of "
+        f"{result['config']['reps'] * result['config'].get('passes', 1)} runs, "
         "output tokens/s (% of the attention-free bound)",
         "",
         head.rstrip("\n"),
@@ -382,7 +389,49 @@ def planner_counts(log: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: float) -> dict:
+def pass_order(backends: list[str], passes: int) -> list[str]:
+    """The backends' runs, one engine start each: every pass runs them all, every second
+    pass in reverse order (the bound first in each), so no backend always runs first.
+    Example: [bound, A, B], 2 passes -> bound A B bound B A."""
+    rest = [b for b in backends if b != BOUND]
+    head = [b for b in backends if b == BOUND]
+    return [b for k in range(passes) for b in head + (rest[::-1] if k % 2 else rest)]
+
+
+def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """One backend's result over two engine starts: each workload's timed runs of both
+    (its medians over all of them), the start of the first, finished only if both did."""
+    from tools.serving.engines import summarize_reps
+
+    out = {**first, "workloads": dict(first.get("workloads", {}))}
+    for w, summary in later.get("workloads", {}).items():
+        before = out["workloads"].get(w)
+        runs = (before or {}).get("runs", []) + summary.get("runs", [])
+        if not runs:
+            continue
+        out["workloads"][w] = {
+            **summarize_reps(runs), "runs": runs,
+            "cache_resets_ok": all(
+                r.get("cache_resets_ok", True) for r in (before or {}, summary)
+            ),
+        }  # fmt: skip
+        if summary.get("partial") or (before or {}).get("partial"):
+            out["workloads"][w]["partial"] = True
+    out["passes"] = first.get("passes", [_pass_info(first)]) + [_pass_info(later)]
+    out["finished"] = bool(first.get("finished")) and bool(later.get("finished"))
+    for key in ("error", "log_tail", "skipped"):
+        if key in later:
+            out[key] = later[key]
+    return out
+
+
+def _pass_info(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: data.get(k) for k in ("exit", "wall_s", "engine_start_s", "finished")}
+
+
+def run_backend(
+    args: argparse.Namespace, backend: str, model: str, timeout: float, tag: str = ""
+) -> dict:
     missing = unavailable(args.engine, backend)
     if missing is not None:
         print(f"{backend}: skipped, {missing}", flush=True)
@@ -390,7 +439,7 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
     scratch = Path(tempfile.mkdtemp(prefix=f"serving-{backend}-"))
     out_dir = args.out.parent
     result = scratch / "result.json"
-    log = out_dir / f"{args.out.stem}_{backend}.log"
+    log = out_dir / f"{args.out.stem}_{backend}{tag}.log"
     env = {**os.environ, **worker_env(args, backend, scratch)}
     t0 = time.monotonic()
     code = run_in_group(worker_cmd(args, backend, model, result), timeout, log, env)
@@ -418,6 +467,8 @@ def run_backend(args: argparse.Namespace, backend: str, model: str, timeout: flo
 def dry_run(args: argparse.Namespace) -> None:
     print(f"engine {args.engine}, mode {args.mode}, backends {' '.join(args.backends)}")
     print(f"budget {args.budget:.0f} s, {args.reps} timed runs + 1 warm-up per workload")
+    if args.passes > 1:
+        print(f"{args.passes} passes: {' '.join(pass_order(args.backends, args.passes))}")
     for name in args.workloads:
         print(f"{name}: sizes {json.dumps(args.sizes[name])}")
         for w in build(name, args.sizes, args.seed):
@@ -452,9 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(tempfile.mkdtemp()) / "llama8b-shape"
     write_model(model, args.max_model_len)
     runs: dict[str, dict[str, Any]] = {}
-    for i, backend in enumerate(args.backends):
-        timeout = (deadline - time.monotonic()) / (len(args.backends) - i)
-        runs[backend] = run_backend(args, backend, str(model), timeout)
+    order = pass_order(args.backends, args.passes)
+    for i, backend in enumerate(order):
+        timeout = (deadline - time.monotonic()) / (len(order) - i)
+        tag = f"-pass{order[:i].count(backend) + 1}" if backend in runs else ""
+        data = run_backend(args, backend, str(model), timeout, tag)
+        runs[backend] = pool_passes(runs[backend], data) if backend in runs else data
         result = collect(args, runs)
         args.out.write_text(json.dumps(result, indent=1))
     table = markdown(result)
