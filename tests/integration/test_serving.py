@@ -691,9 +691,7 @@ def test_profiled_workers_name_a_range_at_each_step(tmp_path) -> None:
     assert bench.STEP_MARKER == {"vllm": "execute_context_", "sglang": "sglang.forward"}
 
 
-def _run_gpu(
-    command: str, env: dict[str, str], *args: str
-) -> subprocess.CompletedProcess[str]:
+def _run_gpu(command: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``bash tools/serving/run_gpu.sh COMMAND ARGS`` with ``env`` (DRY_RUN=1 in the tests)."""
     script = Path(__file__).resolve().parents[2] / "tools/serving/run_gpu.sh"
     return subprocess.run(["bash", str(script), command, *args], env=env, capture_output=True,

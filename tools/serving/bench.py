@@ -417,7 +417,7 @@ def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
         }  # fmt: skip
         if summary.get("partial") or (before or {}).get("partial"):
             out["workloads"][w]["partial"] = True
-    out["passes"] = first.get("passes", [_pass_info(first)]) + [_pass_info(later)]
+    out["passes"] = [*first.get("passes", [_pass_info(first)]), _pass_info(later)]
     out["finished"] = bool(first.get("finished")) and bool(later.get("finished"))
     for key in ("error", "log_tail", "skipped"):
         if key in later:
