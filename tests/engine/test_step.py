@@ -584,9 +584,9 @@ def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> N
 
     def start(
         table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: object = None
-    ) -> None:
+    ) -> bool:
         copies.append(len(seq_lens))
-        real_start(table, seq_lens, page_size, ids)
+        return real_start(table, seq_lens, page_size, ids)
 
     monkeypatch.setattr(planner.table_hint, "start", start)
     tail = [40, 41, 42, 43, 44, 45]
@@ -607,6 +607,49 @@ def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> N
     fewer.seq_lens = batch.seq_lens[:3] + 1
     assert kind(run_step(planner, fewer)) == "hinted"
     assert len(copies) == 4
+
+
+def test_a_look_missed_while_a_copy_is_in_flight_is_taken_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step whose rows could not be copied (an earlier copy still in flight) is not taken
+    as looked at: the next step of the same decode run copies them, so new requests are not
+    planned private for the run's HINT_REFRESH_STEPS steps."""
+    planner = _planner()
+    run_step(planner, SHARED)
+    calls: list[bool] = []
+    real_start = planner.table_hint.start
+
+    def start(
+        table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: object = None
+    ) -> bool:
+        in_flight = not calls  # the first look finds a copy in flight
+        calls.append(not in_flight)
+        return False if in_flight else real_start(table, seq_lens, page_size, ids)
+
+    monkeypatch.setattr(planner.table_hint, "start", start)
+    tail = [40, 41, 42, 43, 44, 45]
+    rows = [[1, 2, 10, *tail], [1, 2, 11, *tail], [1, 3, 12, *tail], [4, 13, *tail]]
+    rows = [[p + 100 * i if p >= 40 else p for p in r] for i, r in enumerate(rows)]
+    batch = Batch(rows)
+    batch.seq_lens = np.full(4, 2 * PAGE + 1, np.int32)
+    for step_ in range(4):
+        if step_:
+            batch.seq_lens = batch.seq_lens + 1  # a decode run of the same requests
+        run_step(planner, batch)
+    # Missed at the run's first step, copied at its second, then the run keeps it.
+    assert calls == [False, True]
+    assert planner.table_hint.lens is not None
+    assert planner.table_hint.lens.tolist() == (np.full(4, 2 * PAGE + 2)).tolist()
+
+
+def test_the_looks_say_whether_they_were_taken() -> None:
+    """SharingProbe.start and TableHint.start: True where the batch was looked at (on the
+    host at once), which the planner relies on to look again after a miss."""
+    from prefixattn.engine.sharing import SharingProbe, TableHint
+
+    assert SharingProbe().start(torch.tensor([4, 9, 4])) is True
+    assert TableHint().start(torch.tensor([[1, 2], [1, 3]]), np.array([8, 8]), 4) is True
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])

@@ -49,18 +49,21 @@ class SharingProbe:
         """Record the verdict of a batch whose first page ids are on the host."""
         self.sharing = shares_pages(np.asarray(first_pages))
 
-    def start(self, first_pages: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    def start(self, first_pages: torch.Tensor, real: torch.Tensor | None = None) -> bool:
         """Look at a batch's first page ids (1-D integer tensor) without waiting: on the
         device, whether two of them are equal, copied to the host asynchronously; the verdict
         changes once the copy has landed. ``real`` (bool, same length) leaves padding rows
-        out. Does nothing while a copy is in flight."""
+        out. Does nothing while a copy is in flight, and then returns False (the batch was
+        not looked at); else True."""
         if not first_pages.is_cuda:
             pages = first_pages if real is None else first_pages[real]
             self.observe(pages.numpy())
-            return
+            return True
         self._poll()
-        if self._pending or first_pages.shape[0] < 2:
-            return
+        if self._pending:
+            return False
+        if first_pages.shape[0] < 2:
+            return True
         ids = first_pages.to(torch.int64)
         if real is not None:
             # Padding rows get distinct negative ids: they never match anything.
@@ -74,6 +77,7 @@ class SharingProbe:
         self._pinned.copy_(dup.view(1), non_blocking=True)
         self._event.record()
         self._pending = True
+        return True
 
     def _poll(self) -> None:
         if self._pending and self._event is not None and self._event.query():
@@ -135,16 +139,17 @@ class TableHint:
 
     def start(
         self, table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: Any = None
-    ) -> None:
+    ) -> bool:
         """Copy ``table`` (rows = requests, on any device; ``ids``: their request ids,
         optional) to the host without waiting; it becomes the hint once landed. Does nothing
-        while an earlier copy is in flight."""
+        while an earlier copy is in flight, and then returns False (the rows were not copied);
+        else True."""
         if not table.is_cuda:
             self.observe(table.cpu().numpy(), seq_lens, page_size, ids)
-            return
+            return True
         self._poll()
         if self._pending is not None:
-            return
+            return False
         rows, cols = table.shape
         row_ids = _row_ids(ids, rows)  # before the copy is queued
         if self._pinned is None or self._pinned.numel() < rows * cols:
@@ -158,6 +163,7 @@ class TableHint:
         self._pinned[: rows * cols].view(rows, cols).copy_(table, non_blocking=True)
         self._event.record()
         self._pending = (rows, cols, np.array(seq_lens, dtype=np.int64), page_size, row_ids)
+        return True
 
     def _poll(self) -> None:
         if self._pending is None or self._event is None or not self._event.query():

@@ -830,11 +830,18 @@ class StepPlanner:
         real = None
         if table.shape[0] > num_real:  # padding rows of the engine's table: left out
             real = torch.arange(table.shape[0], device=first.device) < num_real
-        self.probe.start(first, real)
+        looked = self.probe.start(first, real)
         if self.options.hinted_plans:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
-            self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
+            copied = self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
+            looked = looked and copied
+        if not looked:
+            # An earlier look was still in flight, so this batch's first pages or rows were
+            # not looked at: the next step looks again, instead of a decode run of this batch
+            # taking them as known (its new requests planned private for up to
+            # HINT_REFRESH_STEPS steps).
+            self._hint_run = None
 
     def teaches(self, *, prefill_only: bool = False, capture: bool = False) -> bool:
         """Does a step set the probe's verdict and the hint for later steps? Not an engine's
