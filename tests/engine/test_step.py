@@ -609,38 +609,80 @@ def test_a_decode_run_copies_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(copies) == 4
 
 
+def _decode_run_rows(tail_pages: int = 6) -> Batch:
+    tail = list(range(40, 40 + tail_pages))
+    rows = [[1, 2, 10, *tail], [1, 2, 11, *tail], [1, 3, 12, *tail], [4, 13, *tail]]
+    rows = [[p + 100 * i if p >= 40 else p for p in r] for i, r in enumerate(rows)]
+    batch = Batch(rows)
+    batch.seq_lens = np.full(4, 2 * PAGE + 1, np.int32)  # 3 pages, then room in the tail
+    return batch
+
+
+class _SlowCopies:
+    """The probe's and the hint's copies as on a GPU the host runs ahead of: each lands
+    ``lag`` steps after it starts (``step`` is advanced by the test); counts the starts."""
+
+    def __init__(self, planner: step.StepPlanner, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.step = 0
+        self.landing = {"probe": -1, "hint": -1}
+        self.starts = {"probe": 0, "hint": 0}
+        self.lag = {"probe": 2, "hint": 2}
+        for name, obj in (("probe", planner.probe), ("hint", planner.table_hint)):
+            monkeypatch.setattr(obj, "in_flight", lambda n=name: self.step < self.landing[n])
+            monkeypatch.setattr(obj, "start", lambda *a, n=name, **k: self._start(n))
+
+    def _start(self, name: str) -> bool:
+        if self.step < self.landing[name]:
+            return False
+        self.starts[name] += 1
+        self.landing[name] = self.step + self.lag[name]
+        return True
+
+
 def test_a_look_missed_while_a_copy_is_in_flight_is_taken_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A step whose rows could not be copied (an earlier copy still in flight) is not taken
-    as looked at: the next step of the same decode run copies them, so new requests are not
-    planned private for the run's HINT_REFRESH_STEPS steps."""
+    as looked at: a later step of the same decode run copies them, so new requests are not
+    planned private for the run's HINT_REFRESH_STEPS steps; once copied, the run keeps them."""
     planner = _planner()
     run_step(planner, SHARED)
-    calls: list[bool] = []
-    real_start = planner.table_hint.start
-
-    def start(
-        table: torch.Tensor, seq_lens: np.ndarray, page_size: int, ids: object = None
-    ) -> bool:
-        in_flight = not calls  # the first look finds a copy in flight
-        calls.append(not in_flight)
-        return False if in_flight else real_start(table, seq_lens, page_size, ids)
-
-    monkeypatch.setattr(planner.table_hint, "start", start)
-    tail = [40, 41, 42, 43, 44, 45]
-    rows = [[1, 2, 10, *tail], [1, 2, 11, *tail], [1, 3, 12, *tail], [4, 13, *tail]]
-    rows = [[p + 100 * i if p >= 40 else p for p in r] for i, r in enumerate(rows)]
-    batch = Batch(rows)
-    batch.seq_lens = np.full(4, 2 * PAGE + 1, np.int32)
-    for step_ in range(4):
-        if step_:
+    copies = _SlowCopies(planner, monkeypatch)
+    copies.landing = {"probe": 1, "hint": 1}  # the looks of the step before are on their way
+    batch = _decode_run_rows()
+    for i in range(8):
+        copies.step = i
+        if i:
             batch.seq_lens = batch.seq_lens + 1  # a decode run of the same requests
         run_step(planner, batch)
-    # Missed at the run's first step, copied at its second, then the run keeps it.
-    assert calls == [False, True]
-    assert planner.table_hint.lens is not None
-    assert planner.table_hint.lens.tolist() == (np.full(4, 2 * PAGE + 2)).tolist()
+    # Missed at the run's first step, taken at its second, then kept by the run.
+    assert copies.starts == {"probe": 1, "hint": 1}
+
+
+@pytest.mark.parametrize(
+    ("lags", "in_flight"), [((2, 2), (0, 0)), ((2, 2), (0, 1)), ((1, 3), (1, 0)), ((3, 1), (0, 2))]
+)
+def test_copies_out_of_step_are_not_repeated_every_step(
+    monkeypatch: pytest.MonkeyPatch, lags: tuple[int, int], in_flight: tuple[int, int]
+) -> None:
+    """However the probe's and the hint's copies land (together or apart, one of them still
+    on its way when the run starts), a decode run of 40 steps copies the rows at its start
+    and at each refresh, not every other step."""
+    planner = _planner()
+    run_step(planner, SHARED)
+    copies = _SlowCopies(planner, monkeypatch)
+    copies.lag = {"probe": lags[0], "hint": lags[1]}
+    copies.landing = {"probe": in_flight[0], "hint": in_flight[1]}
+    batch = _decode_run_rows(tail_pages=12)
+    for i in range(40):
+        copies.step = i
+        if i:
+            batch.seq_lens = batch.seq_lens + 1  # the rows stay; lengths grow within them
+        run_step(planner, batch)
+    # The run's first step and one look per HINT_REFRESH_STEPS steps (plus a retry or two
+    # where a refresh found a copy still in flight).
+    runs = -(-40 // step.HINT_REFRESH_STEPS)
+    assert copies.starts["hint"] <= runs + 2 and copies.starts["probe"] <= runs + 2
 
 
 def test_the_looks_say_whether_they_were_taken() -> None:

@@ -463,6 +463,7 @@ def test_result_written_whole(tmp_path) -> None:
         (["--engine", "vllm", "--backends", "bound", "bound"], "twice"),
         (["--engine", "vllm", "--reps", "0"], "--reps must be at least 1"),
         (["--engine", "vllm", "--passes", "0"], "--passes must be at least 1"),
+        (["--engine", "vllm", "--passes", "2", "--profile", "/tmp/p"], "--profile takes one pass"),
     ],
 )  # fmt: skip
 def test_bad_arguments(argv, message, capsys) -> None:
@@ -499,7 +500,7 @@ def test_passes_alternate_the_order_and_pool_the_runs(tmp_path, monkeypatch) -> 
                          "itl_ms_p50": 6.0, "itl_ms_p99": 30.0})  # fmt: skip
         summary = {**engines.summarize_reps(runs), "runs": runs, "cache_resets_ok": True}
         return {"finished": True, "exit": 0, "wall_s": 1.0, "engine_start_s": 0.5,
-                "workloads": {"forest": summary}}  # fmt: skip
+                "log": f"r_{backend}{tag}.log", "workloads": {"forest": summary}}  # fmt: skip
 
     monkeypatch.setattr(bench, "run_backend", fake_run_backend)
     monkeypatch.setattr(bench, "gpu_name", lambda: None)
@@ -519,12 +520,19 @@ def test_passes_alternate_the_order_and_pool_the_runs(tmp_path, monkeypatch) -> 
     assert len(result["backends"]["prefixattn"]["passes"]) == 2
     assert result["backends"]["prefixattn"]["finished"] is True
     assert "median of 6 runs" in out.with_suffix(".md").read_text()
-    # A pass that was cut off keeps the runs it has and marks the backend unfinished.
+    assert "partial" not in ours and "[6 runs]" not in out.with_suffix(".md").read_text()
+    assert result["backends"]["prefixattn"]["passes"][1]["log"].endswith("-pass2.log")
+    # A pass that was cut off keeps the runs it has, marks them fewer than the passes would
+    # give (the table shows their count) and the backend unfinished.
     first = fake_run_backend(None, "FLASH_ATTN", "", 0.0)
     cut = {"finished": False, "exit": 124, "error": "exited 124 after 9 s", "workloads": {}}
     pooled = bench.pool_passes(first, cut)
     assert pooled["finished"] is False and pooled["workloads"]["forest"]["reps"] == 3
+    assert pooled["workloads"]["forest"]["partial"] is True
     assert pooled["error"] == "exited 124 after 9 s"
+    # A first pass that never reached the workload: the later pass's runs alone, marked.
+    late = bench.pool_passes({"finished": False, "workloads": {}}, first)
+    assert late["workloads"]["forest"]["reps"] == 3 and late["workloads"]["forest"]["partial"]
 
 
 def test_worker_environment(tmp_path) -> None:

@@ -98,16 +98,21 @@ def test_spec_mode_passes_with_drafts(ce, monkeypatch, tmp_path) -> None:
 
 def test_full_decode_graphs_counts_graphs_given_to_flash_attn(ce) -> None:
     """A builder whose graphs all hold FLASH_ATTN's kernels (one request at a time under
-    ``delegate_unshared``) still ran full decode graphs; one that captured none did not."""
+    ``delegate_unshared``) still ran full decode graphs; one that captured none did not, nor
+    one with larger graphs that prefixattn never captured."""
 
-    def info(captured: int | None, delegated: int, mode: str = "FULL_AND_PIECEWISE") -> dict:
+    def info(
+        captured: int | None, delegated: int, mode: str = "FULL_AND_PIECEWISE", tokens: int = 1
+    ) -> dict:
         builder = {"builder": "PrefixAttentionMetadataBuilder", "full_graphs": True,
-                   "captured_generation": captured, "delegated_captures": delegated}  # fmt: skip
+                   "captured_generation": captured, "delegated_captures": delegated,
+                   "max_graph_tokens": tokens}  # fmt: skip
         return {"cudagraph_mode": mode, "builders": [builder]}
 
-    assert ce.full_decode_graphs(info(3, 0))
+    assert ce.full_decode_graphs(info(3, 0, tokens=64))
     assert ce.full_decode_graphs(info(None, 1))
-    assert ce.full_decode_graphs(info(3, 2))
+    assert ce.full_decode_graphs(info(3, 2, tokens=64))
+    assert not ce.full_decode_graphs(info(None, 1, tokens=64))
     assert not ce.full_decode_graphs(info(None, 0))
     assert not ce.full_decode_graphs(info(None, 1, mode="PIECEWISE"))
     old = info(None, 0)

@@ -169,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate must be positive")
     if args.profile is not None and args.mode != "offline":
         ap.error("--profile profiles offline runs; use --mode offline")
+    if args.profile is not None and args.passes > 1:
+        ap.error("--profile takes one pass (each pass would profile into the same folder)")
     if args.profile_steps < 0:
         ap.error("--profile-steps must be 0 (the whole run) or positive")
     if args.out is None:
@@ -404,7 +406,11 @@ def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     from tools.serving.engines import summarize_reps
 
     out = {**first, "workloads": dict(first.get("workloads", {}))}
-    for w, summary in later.get("workloads", {}).items():
+    later_workloads = later.get("workloads", {})
+    for w in out["workloads"]:
+        if w not in later_workloads:  # the later pass never reached it: fewer runs
+            out["workloads"][w] = {**out["workloads"][w], "partial": True}
+    for w, summary in later_workloads.items():
         before = out["workloads"].get(w)
         runs = (before or {}).get("runs", []) + summary.get("runs", [])
         if not runs:
@@ -415,8 +421,8 @@ def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
                 r.get("cache_resets_ok", True) for r in (before or {}, summary)
             ),
         }  # fmt: skip
-        if summary.get("partial") or (before or {}).get("partial"):
-            out["workloads"][w]["partial"] = True
+        if before is None or summary.get("partial") or before.get("partial"):
+            out["workloads"][w]["partial"] = True  # fewer runs than the passes would give
     out["passes"] = [*first.get("passes", [_pass_info(first)]), _pass_info(later)]
     out["finished"] = bool(first.get("finished")) and bool(later.get("finished"))
     for key in ("error", "log_tail", "skipped"):
@@ -426,7 +432,8 @@ def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pass_info(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: data.get(k) for k in ("exit", "wall_s", "engine_start_s", "finished")}
+    keys = ("exit", "wall_s", "engine_start_s", "finished", "log", "planner_counts")
+    return {k: data[k] for k in keys if k in data}
 
 
 def run_backend(

@@ -138,18 +138,22 @@ def worker_info(worker: Any) -> dict:
 
 def full_decode_graphs(info: dict) -> bool:
     """Did vLLM keep full decode graphs, and were all CUSTOM builders captured in them? A
-    builder whose graphs all hold ``FLASH_ATTN``'s kernels (one-request graphs under
-    ``delegate_unshared``, e.g. ``max_num_seqs=1``) counts by its delegated captures."""
+    builder whose every graph holds one token (``max_graph_tokens`` 1, e.g.
+    ``max_num_seqs=1``) under ``delegate_unshared`` holds ``FLASH_ATTN``'s kernels there, and
+    counts by its delegated captures; any larger graph must have been captured by
+    prefixattn."""
     mode = info.get("cudagraph_mode", "")
     builders = [b for b in info.get("builders", []) if "full_graphs" in b]
+
+    def captured(b: dict) -> bool:
+        if b["captured_generation"] is not None:
+            return True
+        return b.get("max_graph_tokens") == 1 and b.get("delegated_captures", 0) > 0
+
     return (
         "FULL" in mode
         and bool(builders)
-        and all(
-            b["full_graphs"]
-            and (b["captured_generation"] is not None or b.get("delegated_captures", 0) > 0)
-            for b in builders
-        )
+        and all(b["full_graphs"] and captured(b) for b in builders)
     )
 
 

@@ -79,6 +79,11 @@ class SharingProbe:
         self._pending = True
         return True
 
+    def in_flight(self) -> bool:
+        """Is a copy of an earlier look still on its way (so :meth:`start` would skip)?"""
+        self._poll()
+        return bool(self._pending)
+
     def _poll(self) -> None:
         if self._pending and self._event is not None and self._event.query():
             assert self._pinned is not None
@@ -164,6 +169,11 @@ class TableHint:
         self._event.record()
         self._pending = (rows, cols, np.array(seq_lens, dtype=np.int64), page_size, row_ids)
         return True
+
+    def in_flight(self) -> bool:
+        """Is an earlier copy still on its way (so :meth:`start` would skip)?"""
+        self._poll()
+        return self._pending is not None
 
     def _poll(self) -> None:
         if self._pending is None or self._event is None or not self._event.query():

@@ -826,22 +826,24 @@ class StepPlanner:
             # A decode run of the batch already looked at: its first pages (the probe's
             # verdict) and its rows (the hint) are those of the run's first step.
             return
+        hints = self.options.hinted_plans
+        if self.probe.in_flight() or (hints and self.table_hint.in_flight()):
+            # An earlier look is still on its way (the host runs ahead of the GPU): this
+            # batch is not looked at, and the next step looks again, instead of a decode run
+            # of it taking its rows as known (new requests planned private for up to
+            # HINT_REFRESH_STEPS steps). The probe and the hint look together, so they land
+            # together and neither is copied again while the other is in flight.
+            self._hint_run = None
+            return
         first = table[:, 0]
         real = None
         if table.shape[0] > num_real:  # padding rows of the engine's table: left out
             real = torch.arange(table.shape[0], device=first.device) < num_real
-        looked = self.probe.start(first, real)
-        if self.options.hinted_plans:
+        self.probe.start(first, real)
+        if hints:
             # This step's rows: a later step's hint once landed.
             real_rows = table[:num_real] if columns is None else table[:num_real, :columns]
-            copied = self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
-            looked = looked and copied
-        if not looked:
-            # An earlier look was still in flight, so this batch's first pages or rows were
-            # not looked at: the next step looks again, instead of a decode run of this batch
-            # taking them as known (its new requests planned private for up to
-            # HINT_REFRESH_STEPS steps).
-            self._hint_run = None
+            self.table_hint.start(real_rows, seq_lens[:num_real], self.page_size, real_ids)
 
     def teaches(self, *, prefill_only: bool = False, capture: bool = False) -> bool:
         """Does a step set the probe's verdict and the hint for later steps? Not an engine's
