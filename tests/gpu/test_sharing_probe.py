@@ -45,3 +45,25 @@ def test_table_hint_lands_asynchronously():
     taken = hint.take()
     assert taken is not None
     assert taken.tolist() == [[0, 1, 2, 3], [4, -1, -1, -1], [-1, -1, -1, -1]]
+
+
+def test_looks_skip_while_the_stream_is_busy():
+    """With the stream held (a long sleep kernel queued first), a look's copy is in flight:
+    ``in_flight`` says so, a second ``start`` returns False and queues nothing; once the
+    stream has drained both land and the next look is taken."""
+    from prefixattn import TableHint
+
+    probe, hint = SharingProbe(), TableHint()
+    pages = torch.tensor([[7, 1], [3, 2], [7, 5]], dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles before the copies
+    assert probe.start(pages[:, 0]) is True
+    assert hint.start(pages, np.array([4, 4, 4]), 2) is True
+    assert probe.in_flight() and hint.in_flight()
+    assert probe.start(pages[1:, 0]) is False
+    assert hint.start(pages[1:], np.array([4, 4]), 2) is False
+    torch.cuda.synchronize()
+    assert not probe.in_flight() and not hint.in_flight()
+    assert probe.sharing is True  # the first look's verdict, not the skipped one's
+    taken = hint.take()
+    assert taken is not None and taken.shape[0] == 3
+    assert probe.start(pages[1:, 0]) is True
