@@ -17,6 +17,10 @@ With ``--extend`` (SGLang's steps), the new requests of a step are first prefill
 step of their own (their user tokens; the shared prefix is cached), as SGLang runs extend
 batches apart from decode batches. With ``--mixed`` (vLLM's steps), they are prefilled in
 the step they join, after the decodes, as vLLM runs mixed prefill and decode steps.
+With ``--lag K`` the planner's looks (the sharing probe's verdict, the hint's copy) land K
+steps after they start: 1 (the default) by the next step's planning, as when the host plans a
+step while the GPU runs the one before; 2 or more as when the host runs further ahead. A look
+started while the previous one is on its way is skipped, as the real copies are.
 
 It prints the plan kinds of the decode (or mixed) steps (``hinted-fallback``: the check
 failed; ``unshared``: planned without the sharing), those of the extend steps, and the
@@ -25,12 +29,15 @@ this machine's one core).
 
     python benchmarks/hint_fallbacks.py --order sglang --steps 120 --extend
     python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed
+    python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed --lag 2
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,6 +75,54 @@ class Requests:
         pages = prefix + self._pages(user + out + self.ps)
         self.next_id += 1
         return [pages, len(prefix) * self.ps + user, out, self.next_id, user]
+
+
+class LaggedLooks:
+    """The probe's and the hint's looks of ``planner`` landing ``lag`` steps after they
+    start (:meth:`tick` at each step lands those due); counts the looks started."""
+
+    def __init__(self, planner: StepPlanner, lag: int) -> None:
+        self.lag, self.now = lag, 0
+        self.pending: dict[str, tuple[int, tuple[Any, ...]]] = {}
+        self.started = {"probe": 0, "hint": 0}
+        probe, hint = planner.probe, planner.table_hint
+        self.land: dict[str, Callable[..., None]] = {
+            "probe": probe.observe, "hint": hint.observe,
+        }  # fmt: skip
+        probe.start = functools.partial(self._start_args, "probe")  # type: ignore[method-assign]
+        hint.start = functools.partial(self._start_args, "hint")  # type: ignore[method-assign]
+        probe.in_flight = functools.partial(self._in_flight, "probe")  # type: ignore[method-assign]
+        hint.in_flight = functools.partial(self._in_flight, "hint")  # type: ignore[method-assign]
+
+    def _in_flight(self, name: str) -> bool:
+        return name in self.pending
+
+    def _start_args(self, name: str, *args: Any) -> bool:
+        return self._start(name, args)
+
+    def _start(self, name: str, args: tuple[Any, ...]) -> bool:
+        if name in self.pending:
+            return False
+        self.started[name] += 1
+        data: tuple[Any, ...]
+        if name == "probe":
+            first, real = (*args, None)[:2]
+            pages = first if real is None else first[real]
+            data = (pages.numpy().copy(),)
+        else:
+            table, lens, page_size = args[:3]
+            ids = args[3] if len(args) > 3 else None
+            data = (table.numpy().copy(), np.array(lens), page_size, ids)
+        self.pending[name] = (self.now + self.lag, data)
+        self.tick(self.now)  # lag 0: lands at once
+        return True
+
+    def tick(self, now: int) -> None:
+        self.now = now
+        for name, (due, data) in list(self.pending.items()):
+            if due <= now:
+                del self.pending[name]
+                self.land[name](*data)
 
 
 def _table(rows: list[list[Any]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +170,7 @@ def run(
     seed: int,
     extend: bool = False,
     mixed: bool = False,
+    lag: int = 1,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     model = Requests(rng, page_size)
@@ -122,10 +178,12 @@ def run(
         lambda: PrefixAttention(32, 8, 128, page_size, device="cpu", dtype=torch.bfloat16),
         page_size,
     )
+    looks = LaggedLooks(planner, lag)
     rows = [model.new() for _ in range(requests)]
     kinds: dict[str, int] = {}
     extend_kinds: dict[str, int] = {}
-    for _ in range(steps):
+    for now in range(steps):
+        looks.tick(now)
         if order == "vllm-v1":
             for i in reversed([i for i, r in enumerate(rows) if r[2] <= 0]):
                 last = rows.pop()
@@ -157,7 +215,8 @@ def run(
             for r in new:
                 r[2] -= 1
         kinds[kind] = kinds.get(kind, 0) + 1
-    out = {"order": order, "steps": steps, "kinds": kinds, "counts": planner.counts()}
+    out = {"order": order, "steps": steps, "lag": lag, "kinds": kinds,
+           "looks_started": dict(looks.started), "counts": planner.counts()}  # fmt: skip
     if extend:
         out["extend_kinds"] = extend_kinds
     return out
@@ -175,14 +234,20 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true",
                     help="prefill new requests in the step they join, after the decodes "
                          "(vLLM)")  # fmt: skip
+    ap.add_argument("--lag", type=int, default=1,
+                    help="steps after which a look's copy lands (1: by the next step's "
+                         "planning; more: the host that far ahead of the GPU)")  # fmt: skip
     args = ap.parse_args()
     if args.extend and args.mixed:
         ap.error("--extend and --mixed are two engines' ways to prefill: choose one")
     if args.steps < 1 or args.requests < 1 or not 1 <= args.page_size <= 128:
         ap.error("--steps and --requests must be positive, --page-size in 1..128")
+    if args.lag < 0:
+        ap.error("--lag must be 0 or more")
     out = run(
-        args.order, args.steps, args.requests, args.page_size, args.seed, args.extend, args.mixed
-    )
+        args.order, args.steps, args.requests, args.page_size, args.seed, args.extend,
+        args.mixed, args.lag,
+    )  # fmt: skip
     print(json.dumps(out))
 
 

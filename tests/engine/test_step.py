@@ -812,6 +812,12 @@ def test_hint_fallback_model() -> None:
     mixed = module.run("vllm", 40, 64, 16, 0, mixed=True)
     assert mixed["kinds"].get("hinted-fallback", 0) == 0 and mixed["kinds"]["hinted"] >= 37
     assert mixed["counts"]["hint_rows"]["unknown"] > 0  # the newcomers, planned private
+    # Looks that land two steps late (the host ahead of the GPU): fewer looks, each skipped
+    # one taken at a later step, and still no fallback by ids.
+    late = module.run("vllm", 40, 64, 16, 0, mixed=True, lag=2)
+    assert late["kinds"].get("hinted-fallback", 0) == 0
+    assert 0 < late["looks_started"]["hint"] <= mixed["looks_started"]["hint"]
+    assert late["looks_started"]["probe"] == late["looks_started"]["hint"]
 
 
 def test_a_run_after_its_batch_changed_keeps_advancing(advances: dict[str, int]) -> None:
