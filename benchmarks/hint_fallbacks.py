@@ -89,18 +89,15 @@ class LaggedLooks:
         self.land: dict[str, Callable[..., None]] = {
             "probe": probe.observe, "hint": hint.observe,
         }  # fmt: skip
-        probe.start = functools.partial(self._start_args, "probe")  # type: ignore[method-assign]
-        hint.start = functools.partial(self._start_args, "hint")  # type: ignore[method-assign]
+        probe.start = functools.partial(self._start, "probe")  # type: ignore[method-assign]
+        hint.start = functools.partial(self._start, "hint")  # type: ignore[method-assign]
         probe.in_flight = functools.partial(self._in_flight, "probe")  # type: ignore[method-assign]
         hint.in_flight = functools.partial(self._in_flight, "hint")  # type: ignore[method-assign]
 
     def _in_flight(self, name: str) -> bool:
         return name in self.pending
 
-    def _start_args(self, name: str, *args: Any) -> bool:
-        return self._start(name, args)
-
-    def _start(self, name: str, args: tuple[Any, ...]) -> bool:
+    def _start(self, name: str, *args: Any) -> bool:
         if name in self.pending:
             return False
         self.started[name] += 1

@@ -59,8 +59,7 @@ class SharingProbe:
             pages = first_pages if real is None else first_pages[real]
             self.observe(pages.numpy())
             return True
-        self._poll()
-        if self._pending:
+        if self.in_flight():
             return False
         if first_pages.shape[0] < 2:
             return True
@@ -152,8 +151,7 @@ class TableHint:
         if not table.is_cuda:
             self.observe(table.cpu().numpy(), seq_lens, page_size, ids)
             return True
-        self._poll()
-        if self._pending is not None:
+        if self.in_flight():
             return False
         rows, cols = table.shape
         row_ids = _row_ids(ids, rows)  # before the copy is queued
