@@ -535,6 +535,21 @@ def test_passes_alternate_the_order_and_pool_the_runs(tmp_path, monkeypatch) -> 
     assert late["workloads"]["forest"]["reps"] == 3 and late["workloads"]["forest"]["partial"]
 
 
+def test_first_engine_start_gets_a_larger_share() -> None:
+    """The first run of a call pays the cold compile caches: it gets FIRST_START_SHARES of
+    an even share, the others split what is left evenly, and all shares of one call add up
+    to the budget when every run takes its whole share."""
+    k = bench.FIRST_START_SHARES
+    assert k > 1
+    assert bench.budget_share(600.0, 0, 1) == 600.0
+    first = bench.budget_share(600.0, 0, 4)
+    assert abs(first - 600.0 * k / (k + 3)) < 1e-9 and first > 600.0 / 4
+    left = 600.0 - first
+    shares = [bench.budget_share(left - j * left / 3, j + 1, 4) for j in range(3)]
+    assert all(abs(s - left / 3) < 1e-9 for s in shares)
+    assert abs(first + sum(shares) - 600.0) < 1e-9
+
+
 def test_worker_environment(tmp_path) -> None:
     offline = bench.parse_args(["--engine", "vllm"])
     online = bench.parse_args(["--engine", "vllm", "--mode", "online"])

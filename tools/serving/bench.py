@@ -21,7 +21,8 @@ Backends (``--backends``, default all of the engine's):
 plugin (``tools/sglang/core_options.py``).
 
 Each backend runs in its own process group (``tools/proc_group.py``) with a share of
-``--budget`` seconds, the bound first; a worker writes its results after every timed run, so a
+``--budget`` seconds (the call's first engine start, which fills the compile caches, a larger
+one: :func:`budget_share`), the bound first; a worker writes its results after every timed run, so a
 timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
 ``[k runs]`` in the table), and a backend that fails to start is recorded with its log's tail.
 A built-in backend whose kernels do not import in the engine's environment (``PREFLIGHT``:
@@ -400,6 +401,22 @@ def pass_order(backends: list[str], passes: int) -> list[str]:
     return [b for k in range(passes) for b in head + (rest[::-1] if k % 2 else rest)]
 
 
+FIRST_START_SHARES = 1.6
+"""The first engine start of a call compiles what later ones find cached (vLLM's
+``torch.compile`` artifacts, Triton kernels): on a fresh H200 (2026-11-29) vLLM's first starts
+took 106 and 87 s, the same engines' second starts 41 and 71 s. The first run's share of the
+budget counts as this many of the others'."""
+
+
+def budget_share(left: float, i: int, n: int) -> float:
+    """Seconds for engine run ``i`` of ``n`` when ``left`` seconds remain: an even share of
+    what is left, the first run counting :data:`FIRST_START_SHARES` shares. A run that ends
+    early leaves its time to the later ones. Example: 600 s, 4 runs -> 208.7 s for the first,
+    then (600 - its time) / 3 each."""
+    shares = (FIRST_START_SHARES if i == 0 else 1.0) + (n - i - 1)
+    return left * (FIRST_START_SHARES if i == 0 else 1.0) / shares
+
+
 def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """One backend's result over two engine starts: each workload's timed runs of both
     (its medians over all of them), the start of the first, finished only if both did."""
@@ -512,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     order = pass_order(args.backends, args.passes)
     for i, backend in enumerate(order):
-        timeout = (deadline - time.monotonic()) / (len(order) - i)
+        timeout = budget_share(deadline - time.monotonic(), i, len(order))
         tag = f"-pass{order[:i].count(backend) + 1}" if backend in runs else ""
         data = run_backend(args, backend, str(model), timeout, tag)
         runs[backend] = pool_passes(runs[backend], data) if backend in runs else data
