@@ -25,18 +25,24 @@ started while the previous one is on its way is skipped, as the real copies are.
 It prints the plan kinds of the decode (or mixed) steps (``hinted-fallback``: the check
 failed; ``unshared``: planned without the sharing), those of the extend steps, and the
 planner's counts (``host_ms_per_plan``: the mean host time of a planning call by kind, on
-this machine's one core).
+this machine's one core). With ``--parts``, also the host time of the plans each planning
+call builds (``plan_ms``, per packing: ``memory`` the prefix-aware plan, ``per_query`` the
+per-request one, a hinted plan's fallback among them; calls and mean ms). On the CPU the
+device's work (gathering page ids, the hint's check) runs on the host too.
 
     python benchmarks/hint_fallbacks.py --order sglang --steps 120 --extend
     python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed
     python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed --lag 2
+    python benchmarks/hint_fallbacks.py --order vllm --page-size 16 --mixed --steps 240 --parts
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -159,6 +165,29 @@ def _step(
     return kind
 
 
+@contextlib.contextmanager
+def plan_parts(totals: dict[str, list[float]]) -> Any:
+    """Time every plan a planning call builds (``PrefixAttention._plan_host``), by packing:
+    ``totals[packing]`` = [calls, seconds]."""
+    build = PrefixAttention._plan_host
+
+    def timed(self: PrefixAttention, table: Any, lens: Any, indptr: Any, packing: str,
+              *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            return build(self, table, lens, indptr, packing, *args, **kwargs)
+        finally:
+            entry = totals.setdefault(packing, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    PrefixAttention._plan_host = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PrefixAttention._plan_host = build  # type: ignore[method-assign]
+
+
 def run(
     order: str,
     steps: int,
@@ -168,6 +197,26 @@ def run(
     extend: bool = False,
     mixed: bool = False,
     lag: int = 1,
+    parts: bool = False,
+) -> dict[str, Any]:
+    totals: dict[str, list[float]] = {}
+    with plan_parts(totals) if parts else contextlib.nullcontext():
+        out = _run(order, steps, requests, page_size, seed, extend, mixed, lag)
+    if parts:
+        out["plan_ms"] = {k: {"calls": int(n), "mean_ms": round(1e3 * t / n, 3)}
+                          for k, (n, t) in sorted(totals.items())}  # fmt: skip
+    return out
+
+
+def _run(
+    order: str,
+    steps: int,
+    requests: int,
+    page_size: int,
+    seed: int,
+    extend: bool,
+    mixed: bool,
+    lag: int,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     model = Requests(rng, page_size)
@@ -231,6 +280,8 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true",
                     help="prefill new requests in the step they join, after the decodes "
                          "(vLLM)")  # fmt: skip
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the plans each planning call builds, by packing")  # fmt: skip
     ap.add_argument("--lag", type=int, default=1,
                     help="steps after which a look's copy lands (1: by the next step's "
                          "planning; more: the host that far ahead of the GPU)")  # fmt: skip
@@ -243,7 +294,7 @@ def main() -> None:
         ap.error("--lag must be 0 or more")
     out = run(
         args.order, args.steps, args.requests, args.page_size, args.seed, args.extend,
-        args.mixed, args.lag,
+        args.mixed, args.lag, args.parts,
     )  # fmt: skip
     print(json.dumps(out))
 

@@ -89,9 +89,7 @@ def summarize(events: list[dict[str, Any]], gap_us: float = 50.0, top: int = 5) 
         [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
          if e.get("cat") in GPU_CATS]
     )  # fmt: skip
-    named = {n: [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                 if e.get("name") == n and e.get("cat") not in GPU_CATS]
-             for n in RANGES}  # fmt: skip
+    named = {n: _host_ranges(events, n) for n in RANGES}
     ranges = {
         n: {"count": len(iv), "total_ms": round(sum(b - a for a, b in iv) / 1e3, 3),
             "mean_ms": round(sum(b - a for a, b in iv) / 1e3 / len(iv), 4) if iv else 0.0}
@@ -231,6 +229,15 @@ def steps_summary(
     }
 
 
+def _host_ranges(events: list[dict[str, Any]], name: str) -> list[tuple[float, float]]:
+    """(start, end) of the host ranges named ``name``: the profiler also records a GPU-side
+    copy of each named range (``gpu_user_annotation``, spanning the GPU work queued inside
+    it), which is not host time."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+            if e.get("name") == name and e.get("cat") not in GPU_CATS
+            and e.get("cat") != "gpu_user_annotation"]  # fmt: skip
+
+
 def _marks(events: list[dict[str, Any]], marker: str) -> list[tuple[float, str]]:
     """(start, name) of the host events whose names start with ``marker``, in order."""
     return sorted((float(e["ts"]), str(e["name"])) for e in events
@@ -252,7 +259,8 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
     ``eager`` (none). Kernels belong to the step whose host span holds their launch (matched
     by the profiler's correlation id), so the GPU's lag behind the host does not move them
     into the next step. Per kind: steps, CUDA graph launches, host time (sum and median of
-    the spans) and the device time of the step's kernels, attention and the rest. The sums
+    the spans), the device time of the step's kernels, attention and the rest, and the host
+    time of the ``prefixattn.plan`` ranges that start in the steps (``planning_ms``). The sums
     over the kinds account for the traced window between the first and the last marker."""
     marks = _marks(events, marker)
     spans = [(a, b, name) for (a, name), (b, _) in itertools.pairwise(marks)]
@@ -289,6 +297,11 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
             attention[i] += float(e["dur"])
         else:
             other[i] += float(e["dur"])
+    planning = [0.0] * len(spans)  # host time of prefixattn's plans started in the step
+    for a, b in _host_ranges(events, "prefixattn.plan"):
+        i = step_of(a)
+        if i is not None:
+            planning[i] += b - a
     groups: dict[str, list[int]] = {}
     prefill_tokens: dict[str, int] = {}
     decodes: dict[str, int] = {}
@@ -313,6 +326,7 @@ def step_kinds(events: list[dict[str, Any]], marker: str) -> dict[str, Any]:
             "median_ms": round(lengths[len(lengths) // 2] / 1e3, 3),
             "attention_ms": round(sum(attention[i] for i in idx) / 1e3, 3),
             "other_kernels_ms": round(sum(other[i] for i in idx) / 1e3, 3),
+            "planning_ms": round(sum(planning[i] for i in idx) / 1e3, 3),
         }
         if kind in prefill_tokens:
             kinds[kind].update(prefill_tokens=prefill_tokens[kind], decodes=decodes[kind])

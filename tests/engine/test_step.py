@@ -798,6 +798,14 @@ def test_hint_fallback_model() -> None:
     spec.loader.exec_module(module)
     by_ids = module.run("vllm", 40, 64, 16, 0)
     assert by_ids["kinds"].get("hinted-fallback", 0) == 0
+    # --parts: each hinted step builds its prefix-aware plan and the per-request fallback;
+    # the timing is taken off again afterwards.
+    parts = module.run("vllm", 12, 32, 16, 0, mixed=True, parts=True)
+    hinted = parts["kinds"]["hinted"]
+    assert parts["plan_ms"]["memory"]["calls"] >= hinted
+    assert parts["plan_ms"]["per_query"]["calls"] >= hinted
+    assert all(v["mean_ms"] > 0 for v in parts["plan_ms"].values())
+    assert module.PrefixAttention._plan_host.__name__ == "_plan_host"
     assert sum(by_ids["kinds"].values()) == 40 and by_ids["counts"]["hint_rows"]["moved"] > 0
     for order in ("sglang", "vllm-v1"):
         by_lens = module.run(order, 40, 64, 16, 0)

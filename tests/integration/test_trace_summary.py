@@ -166,6 +166,7 @@ def test_step_kinds_split_steps_by_graph_launches_and_own_their_kernels(ts) -> N
         "median_ms": 1.0,
         "attention_ms": 0.04,
         "other_kernels_ms": 0.06,
+        "planning_ms": 0.0,
     }
     assert piecewise["steps"] == 1 and piecewise["attention_ms"] == 0.02
     assert piecewise["graph_launches"] == 2 and eager["graph_launches"] == 0
@@ -188,6 +189,11 @@ def test_step_kinds_read_vllms_step_ranges(ts) -> None:
     trace = [_ev(n, "user_annotation", 1000 * i, 50) for i, n in enumerate(names)]
     trace += [_ev(n, "gpu_user_annotation", 1000 * i + 300, 500) for i, n in enumerate(names)]
     trace += [_launch("cudaGraphLaunch", 1100, 1), _launch("cudaGraphLaunch", 2100, 2)]
+    # Plans on the host in the first three steps; their GPU-side copies are not host time.
+    trace += [_ev("prefixattn.plan", "user_annotation", 1000 * i + 60, 100 * (i + 1))
+              for i in range(3)]  # fmt: skip
+    trace += [_ev("prefixattn.plan", "gpu_user_annotation", 1000 * i + 400, 900)
+              for i in range(3)]  # fmt: skip
     s = ts.step_kinds(trace, "execute_context_")
     assert s["steps"] == 4 and s["window_ms"] == 4.0
     assert s["kinds"]["decode"] == {
@@ -197,10 +203,14 @@ def test_step_kinds_read_vllms_step_ranges(ts) -> None:
         "median_ms": 1.0,
         "attention_ms": 0.0,
         "other_kernels_ms": 0.0,
+        "planning_ms": 0.5,
         "prefill_tokens": 0,
         "decodes": 512,
     }
     assert s["kinds"]["mixed"]["prefill_tokens"] == 700 and s["kinds"]["mixed"]["decodes"] == 254
+    assert s["kinds"]["mixed"]["planning_ms"] == 0.1
+    assert ts.summarize(trace)["ranges"]["prefixattn.plan"] == {
+        "count": 3, "total_ms": 0.6, "mean_ms": 0.2}  # fmt: skip
     assert s["kinds"]["prefill"]["steps"] == 1 and s["kinds"]["prefill"]["decodes"] == 0
     assert ts.steps_summary(trace, "execute_context_")["count"] == 4
 
