@@ -557,7 +557,7 @@ class PrefixAttention:
             )
         fallback = self._plan_host(
             positions, lens, indptr, "per_query", False, page_table=block_table, row_of=row_of,
-            buffers=None if state is None else state.buffers, remember=False,
+            buffers=None if state is None else state.buffers, remember=False, one_table=True,
         )  # fmt: skip
         if state is not None:
             # From now on the launches read the fallback through views of the buffers as they
@@ -805,6 +805,7 @@ class PrefixAttention:
         row_of: np.ndarray | None = None,
         buffers: PlanBuffers | None = None,
         remember: bool = True,
+        one_table: bool = False,
     ) -> LaunchPlan:
         """The plan of checked host inputs. With ``page_table`` (and ``row_of``, the row of
         it each request reads), the pages are positions in it (row * width + column), each
@@ -812,20 +813,23 @@ class PrefixAttention:
         entries: expanded from runs on the device where the items allow
         (:func:`position_runs`), else copied. ``buffers``: where the arrays go on a CUDA device
         (default: this object's); ``remember``: make it the plan :meth:`run` uses by
-        default."""
+        default. ``one_table``: one build, on the tile table's narrow alternative where it
+        has one (a hinted plan's fallback, which runs only where the device check fails:
+        its tiles are not worth a second build)."""
         options = self.plan_options
         if options.split_target is None:
             options.split_target = sm_count(self.device)
+        tiles = (self.tiles.narrow() or self.tiles) if one_table else self.tiles
         hp = None
         if page_table is not None:
             assert row_of is not None
             # The options' values (all scalars) as they are now: a cheap key.
-            key = (packing, split_kv, buffers is None, tuple(vars(options).values()), self.tiles)
+            key = (packing, split_kv, buffers is None, tuple(vars(options).values()), tiles)
             hp = self._advanced(key, table, lens, indptr, row_of)
         if hp is None:
             native = options.native_plan and library.native_plan_available()
             hp = build_host_plan(
-                table, lens, indptr, self.page_size, self._shape, self.tiles, packing, split_kv,
+                table, lens, indptr, self.page_size, self._shape, tiles, packing, split_kv,
                 split_target=options.split_target, sm_count=sm_count(self.device),
                 native=native, finish_in_leaf=options.finish_in_leaf,
                 one_launch_in_one_wave=options.one_launch_in_one_wave,

@@ -62,6 +62,15 @@ def test_heights_up_to_worked_example() -> None:
     assert table.heights_up_to(17) == table.heights_up_to(32) == (16, 32, 64)  # narrow's 64
     assert table.heights_up_to(33) == table.heights_up_to(10_000) == (16, 32, 64, 128)
     assert PrefixAttention(8, 8, 256, 16).tiles.heights_up_to(40) == (16, 32, 64)
+    # Remembered per table: a table of other heights, equal row counts, its own answers, the
+    # same as computed afresh.
+    import dataclasses
+
+    other = dataclasses.replace(table, m_sizes=(16, 64, 128), narrow_m_sizes=(16, 32))
+    assert other.heights_up_to(17) == (16, 32, 64) and other.heights_up_to(65) == (16, 32, 64, 128)
+    for t in (table, other):
+        assert all(t.heights_up_to(r) == t._heights_up_to(r) for r in (1, 17, 33, 65, 129))
+    assert table.narrow() is table.narrow() and other.narrow() != table.narrow()
 
 
 def test_fixed_launches_by_tokens() -> None:

@@ -304,3 +304,48 @@ def test_table_hint_refuses_ids_of_another_length() -> None:
     taken = hint.take()
     assert taken is not None and taken.shape[0] == 3
     assert hint.ids is not None and hint.ids.tolist() == [7, 8, 9]
+
+
+def test_fallback_is_one_plan_on_the_narrow_table(monkeypatch) -> None:
+    """A hinted plan's fallback (per request, run only where the check fails) is built once,
+    on the tile table's narrow alternative (16- and 64-row tiles at head_dim 128), rather
+    than built on both tables to pick the cheaper; taken, it still equals attention."""
+    import prefixattn.attention as attention_module
+
+    ps = 4
+    # Three decodes under a 64-token prefix (pages 0-15), then a new request's 32-token
+    # prefill chunk (128 query rows at group 4: a 128-row tile on the full table).
+    table = np.zeros((4, 17), np.int32)
+    for r in range(3):
+        table[r, :16] = np.arange(16)
+        table[r, 16] = 20 + r
+    table[2, 5] = 40  # request 2's page 5 is not the prefix's, as the hint says it is
+    table[3, :8] = 50 + np.arange(8)
+    hint = table.copy()
+    hint[2, 5] = 5
+    hint[3] = -1
+    batch = Batch(
+        block_table=table,
+        seq_lens=np.array([66, 66, 66, 32], np.int32),
+        qo_indptr=np.array([0, 1, 2, 3, 35], np.int32),
+        page_size=ps,
+        num_pages=58,
+    )
+    k, v = random_cache(58, ps, 2, 128, torch.float32)
+    q = torch.randn(35, 8, 128)
+    pa = PrefixAttention(8, 2, 128, ps, dtype=torch.float32)
+    narrow = pa.tiles.narrow()
+    assert narrow is not None and 128 not in narrow.m_sizes
+    tables: list[tuple[int, ...]] = []
+    build = attention_module.build_host_plan
+
+    def counting_build(*args, **kwargs):
+        tables.append(tuple(args[5].m_sizes))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "build_host_plan", counting_build)
+    plan = pa.plan_hinted(torch.from_numpy(table), hint, batch.seq_lens, batch.qo_indptr)
+    assert bool(plan.fallback_taken)
+    assert tables == [narrow.m_sizes, pa.tiles.m_sizes]  # the fallback, then the primary
+    assert plan.fallback is not None and {m for m, _ in plan.fallback.tiles} == {64}
+    _close(pa.run(q, k, v), _reference(q, k, v, batch))

@@ -9,6 +9,7 @@ shared-memory, register and bytes-in-flight limits once those kernels exist.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -119,7 +120,7 @@ class TileTable:
         None."""
         if not self.narrow_m_sizes:
             return None
-        return TileTable(m_sizes=self.narrow_m_sizes, n_by_kv_len=self.n_by_kv_len)
+        return _narrow_table(self.narrow_m_sizes, self.n_by_kv_len)
 
     @property
     def max_rows(self) -> int:
@@ -140,13 +141,17 @@ class TileTable:
         query rows (the narrow alternative's included), ascending: every height up to the
         tallest such an item may take. A plan of ``T`` tokens at GQA group ``g`` uses no other
         heights than ``heights_up_to(T * g)``, so a launch with a fixed grid (a CUDA graph
-        captured at ``T`` tokens) needs only their kernel variants.
+        captured at ``T`` tokens) needs only their kernel variants. Remembered per table and
+        row count (every plan checks its heights against them).
 
         Worked example (sm90, head_dim 128: heights 16, 32, 64, 128, wide above 32 rows;
         narrow 16, 64): 4 rows -> (16,); 32 rows -> (16, 32, 64) (the narrow plan's 64);
         33 rows -> all four.
         """
-        rows = max(1, int(rows))
+        return _heights_up_to(self, max(1, int(rows)))
+
+    def _heights_up_to(self, rows: int) -> tuple[int, ...]:
+        """:meth:`heights_up_to`, computed."""
         tallest = self.m_sizes[int(self.height_index(rows, max(self.wide_kv_len, 1)))]
         narrow = self.narrow()
         if narrow is not None:
@@ -162,6 +167,18 @@ class TileTable:
                 n = size
                 break
         return m, n
+
+
+@functools.lru_cache(maxsize=16)
+def _narrow_table(m_sizes: tuple[int, ...], n_by_kv_len: tuple[tuple[int, int], ...]) -> TileTable:
+    """The narrow alternative's table, one object per (heights, KV tile sizes): planning asks
+    for it at every call."""
+    return TileTable(m_sizes=m_sizes, n_by_kv_len=n_by_kv_len)
+
+
+@functools.lru_cache(maxsize=1024)
+def _heights_up_to(table: TileTable, rows: int) -> tuple[int, ...]:
+    return table._heights_up_to(rows)
 
 
 _SM90 = {
