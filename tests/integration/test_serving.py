@@ -263,6 +263,16 @@ def test_profile_run_is_one_more_run_under_the_profiler(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="engine died"):
         engines.profile_run(Failing(), w, tmp_path / "x")
     assert calls[-1] == "stop"  # the profiler is stopped anyway
+    # Online: the profiled run is an online run at the given rate and seed.
+    calls.clear()
+
+    class Online(Profiled):
+        def online(self, w, rate, seed):
+            calls.append(f"online {rate} {seed}")
+            return {}
+
+    engines.profile_run(Online(), w, tmp_path / "prefixattn", 0, (16.0, 3))
+    assert calls == ["reset", "start prefixattn decode 0", "online 16.0 3", "stop"]
     # The option: offline only, and the workers get it.
     args = bench.parse_args(["--engine", "sglang", "--profile", str(tmp_path / "p")])
     cmd = bench.worker_cmd(args, "prefixattn", "MODEL", tmp_path / "r.json")
@@ -270,8 +280,9 @@ def test_profile_run_is_one_more_run_under_the_profiler(tmp_path) -> None:
     assert cmd[cmd.index("--profile-steps") + 1] == "200"  # a trace written in seconds
     worker = bench.parse_args(cmd[cmd.index("--worker") :])
     assert worker.profile_steps == 200 and worker.worker == "prefixattn"
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--engine", "sglang", "--mode", "online", "--profile", "p"])
+    online = bench.parse_args(["--engine", "vllm", "--mode", "online", "--profile", "p"])
+    cmd = bench.worker_cmd(online, "prefixattn", "MODEL", tmp_path / "r.json")
+    assert cmd[cmd.index("--mode") + 1] == "online" and "--profile" in cmd
     with pytest.raises(SystemExit):
         bench.parse_args(["--engine", "sglang", "--profile", "p", "--profile-steps", "-1"])
 
@@ -322,12 +333,33 @@ def test_vllm_profile_of_some_steps_on_older_releases() -> None:
             calls.append((prefix, "whole"))
 
     driver = engines.VllmDriver.__new__(engines.VllmDriver)
+    driver.online_mode = False
     driver.llm = New()
     driver.start_profile(Path("/tmp/p"), "forest", 50)
     driver.llm = Old()
     driver.start_profile(Path("/tmp/p"), "forest", 50)
     driver.start_profile(Path("/tmp/p"), "chat")
     assert calls == [("forest", 50), ("forest", "whole"), ("chat", "whole")]
+    # Online, AsyncLLM's coroutines on the driver's loop.
+    import asyncio
+
+    class Async:
+        async def start_profile(self, prefix=None, *, max_iterations=None) -> None:
+            calls.append(("async", prefix, max_iterations))
+
+        async def stop_profile(self) -> None:
+            calls.append(("async stop",))
+
+    calls.clear()
+    driver.online_mode, driver.engine = True, Async()
+    driver.loop = asyncio.new_event_loop()
+    try:
+        driver.start_profile(Path("/tmp/p"), "forest", 300)
+        driver.stop_profile()
+        driver.start_profile(Path("/tmp/p"), "forest")
+    finally:
+        driver.loop.close()
+    assert calls == [("async", "forest", 300), ("async stop",), ("async", "forest", None)]
 
 
 def test_sglang_stream_chunks_are_cumulative_per_sample() -> None:

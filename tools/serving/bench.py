@@ -47,7 +47,8 @@ JSON (``--out``), a Markdown table next to it (``.md``, also printed) and a bar 
     python -m tools.serving.bench --engine sglang --mode online --rate 8 --workloads chat
     python -m tools.serving.bench --engine vllm --dry-run   # the plan, no engine imported
 
-``--profile DIR`` (offline): after a workload's timed runs, one more run under the engine's
+``--profile DIR``: after a workload's timed runs, one more run (offline, or online at
+``--rate`` with arrivals of its own) under the engine's
 torch profiler (traces in ``DIR/BACKEND``, never in the timings), summarised into the JSON
 (``tools/trace_summary.py``: GPU busy and idle time, the longest idle gaps and the host
 ranges in them, the attention kernels' time and the kernels that took the most). The trace
@@ -136,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, help=f"result JSON (default {RESULTS}/serving_ENGINE_MODE.json)"
     )
     ap.add_argument("--profile", type=Path, metavar="DIR",
-                    help="offline: profile one more run of each workload into DIR/BACKEND and "
-                         "summarize the traces")  # fmt: skip
+                    help="profile one more run of each workload (offline or online, as "
+                         "--mode) into DIR/BACKEND and summarize the traces")  # fmt: skip
     ap.add_argument("--profile-steps", type=int, default=200, metavar="N",
                     help="with --profile: trace the profiled run's first N engine steps (0: "
                          "the whole run, whose trace can take minutes to write)")  # fmt: skip
@@ -168,8 +169,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--passes must be at least 1")
     if args.rate <= 0:
         ap.error("--rate must be positive")
-    if args.profile is not None and args.mode != "offline":
-        ap.error("--profile profiles offline runs; use --mode offline")
     if args.profile is not None and args.passes > 1:
         ap.error("--profile takes one pass (each pass would profile into the same folder)")
     if args.profile_steps < 0:

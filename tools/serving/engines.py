@@ -323,6 +323,10 @@ class VllmDriver(Driver):
     def start_profile(self, folder: Path, prefix: str, steps: int = 0) -> None:
         # The folder was fixed when the engine started (profiler_config); the prefix names
         # this trace.
+        if self.online_mode:  # AsyncLLM (vLLM 0.33: max_iterations per profile)
+            limit = {"max_iterations": steps} if steps else {}
+            self.loop.run_until_complete(self.engine.start_profile(prefix, **limit))
+            return
         if steps:
             try:
                 self.llm.start_profile(prefix, max_iterations=steps)
@@ -332,7 +336,11 @@ class VllmDriver(Driver):
         self.llm.start_profile(prefix)
 
     def stop_profile(self) -> None:
-        self.llm.stop_profile()  # nothing to stop after max_iterations: vLLM checks
+        # Nothing to stop after max_iterations: vLLM checks.
+        if self.online_mode:
+            self.loop.run_until_complete(self.engine.stop_profile())
+        else:
+            self.llm.stop_profile()
 
     def reset_cache(self) -> bool:
         if self.online_mode:
@@ -461,14 +469,24 @@ def measure(
     return summary
 
 
-def profile_run(driver: Driver, w: Workload, folder: Path, steps: int = 0) -> None:
-    """One more offline run of ``w`` after a prefix-cache reset, under the engine's profiler
-    (traces below ``folder``, named after the workload; its first ``steps`` engine steps, 0:
-    all); the profiler stops on any error."""
+def profile_run(
+    driver: Driver,
+    w: Workload,
+    folder: Path,
+    steps: int = 0,
+    online: tuple[float, int] | None = None,
+) -> None:
+    """One more run of ``w`` after a prefix-cache reset, under the engine's profiler (traces
+    below ``folder``, named after the workload; its first ``steps`` engine steps, 0: all):
+    offline, or with ``online`` = (rate, seed) an online run at that rate; the profiler
+    stops on any error."""
     driver.reset_cache()
     driver.start_profile(folder, w.name, steps)
     try:
-        driver.offline(w)
+        if online is None:
+            driver.offline(w)
+        else:
+            driver.online(w, *online)
     finally:
         driver.stop_profile()
 
@@ -503,7 +521,10 @@ def run_worker(args: Any, save: Callable[[dict[str, Any]], object]) -> None:
                 save(result)
                 if getattr(args, "profile", None) is not None:  # never in the timings above
                     steps = getattr(args, "profile_steps", 0)
-                    profile_run(driver, w, Path(args.profile) / args.worker, steps)
+                    # Online: the arrivals of one more seed than the timed runs had.
+                    online = (args.rate, args.seed * 1000 + args.reps + 1)
+                    profile_run(driver, w, Path(args.profile) / args.worker, steps,
+                                online if args.mode == "online" else None)  # fmt: skip
         result["finished"] = True
         save(result)
     finally:
