@@ -840,8 +840,11 @@ class PrefixAttention:
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None
-                room = self._page_room(buffers, len(hp.host.kv_pages))
-                hp = with_room(hp, self.page_size, room)
+                if int(np.diff(indptr).max(initial=0)) <= 1:
+                    # Room to advance (decode steps only: a step with several new tokens for
+                    # a request is never advanced, its pages stay laid out end to end).
+                    room = self._page_room(buffers, len(hp.host.kv_pages))
+                    hp = with_room(hp, self.page_size, room)
                 self._advance_memo[key] = _Advanceable(
                     table, row_of.copy(), indptr.copy(), lens.copy(), hp, 0
                 )

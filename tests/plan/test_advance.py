@@ -210,3 +210,27 @@ def test_a_taken_fallback_leaves_the_advanced_plans_counts_intact():
         assert int(used.counts[0]) == used.num_work_items > 0
         assert int(idle.counts[0]) == 0
         lens = lens + 1
+
+
+def test_room_only_where_a_plan_can_advance() -> None:
+    """Plans of decode steps are laid out with room after each page run (they may be
+    advanced); a step with several new tokens for a request never is, so its plan and its
+    fallback keep the pages end to end: no room to lay out, no entries to expand."""
+    ps = 4
+    table = np.zeros((4, 17), np.int32)
+    for r in range(3):  # three decodes under a 64-token prefix (pages 0-15), a page each
+        table[r, :16] = np.arange(16)
+        table[r, 16] = 20 + r
+    table[3, :8] = 50 + np.arange(8)  # a new request's 32-token prefill chunk
+    hint = table.copy()
+    hint[3] = -1
+    pa = PrefixAttention(8, 2, 128, ps, dtype=torch.float32)
+    decode = pa.plan_hinted(
+        torch.from_numpy(table), hint, np.array([66, 66, 66]), np.arange(4), rows=np.arange(3)
+    )
+    assert decode.kv_pages.numel() > 16 + 3  # the prefix once, three tails, and room
+    mixed = pa.plan_hinted(
+        torch.from_numpy(table), hint, np.array([66, 66, 66, 32]), np.array([0, 1, 2, 3, 35])
+    )
+    assert mixed.kv_pages.numel() == 16 + 3 + 8
+    assert mixed.fallback is not None and mixed.fallback.kv_pages.numel() == 3 * 17 + 8
