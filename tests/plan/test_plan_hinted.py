@@ -349,3 +349,44 @@ def test_fallback_is_one_plan_on_the_narrow_table(monkeypatch) -> None:
     assert tables == [narrow.m_sizes, pa.tiles.m_sizes]  # the fallback, then the primary
     assert plan.fallback is not None and {m for m, _ in plan.fallback.tiles} == {64}
     _close(pa.run(q, k, v), _reference(q, k, v, batch))
+
+
+def _hinted_table_reference(hint, row_of, cols, private=None):
+    """The planning table of a hinted plan, entry by entry (prefixattn.plan.device_table)."""
+    b = len(row_of)
+    base = max(int(hint.max(initial=-1)), -1) + 1
+    out = np.empty((b, cols), np.int64)
+    for r in range(b):
+        known = row_of[r] < hint.shape[0] and not (private is not None and private[r])
+        for c in range(cols):
+            page = hint[row_of[r], c] if known and c < hint.shape[1] else -1
+            out[r, c] = page if page >= 0 else base + r * cols + c
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_hinted_table_entries(data) -> None:
+    """Known pages from the hint's row of each request (rows in order, a permutation, rows
+    the hint lacks), a unique id past the hint's largest everywhere else, private requests
+    and negative (unknown) hint entries included."""
+    from prefixattn.plan.device_table import hinted_table
+
+    rows = data.draw(st.integers(0, 6))
+    width = data.draw(st.integers(0, 8))
+    entries = st.lists(st.integers(-1, 30), min_size=width, max_size=width)
+    table = data.draw(st.lists(entries, min_size=rows, max_size=rows))
+    hint = np.array(table, dtype=np.int32).reshape(rows, width)
+    b = data.draw(st.integers(1, 7))
+    kind = data.draw(st.sampled_from(["in order", "any"]))
+    row_of = (
+        np.arange(b)
+        if kind == "in order"
+        else np.array(data.draw(st.lists(st.integers(0, rows + 1), min_size=b, max_size=b)))
+    )
+    private = data.draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=b, max_size=b)))
+    private = None if private is None else np.array(private, dtype=bool)
+    cols = data.draw(st.integers(1, 10))
+    got = hinted_table(hint, row_of, cols, private)
+    assert got.dtype == np.int32 and got.shape == (b, cols)
+    assert np.array_equal(got, _hinted_table_reference(hint, row_of, cols, private))
