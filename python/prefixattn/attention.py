@@ -20,7 +20,7 @@ import torch
 
 from . import checks
 from .options import LaunchOptions, PlanOptions
-from .plan.advance import ADVANCE_STEPS, AdvanceIndex, advance, with_room
+from .plan.advance import ADVANCE_STEPS, AdvanceIndex, advance, advances, with_room
 from .plan.device_table import (
     hint_checks,
     hint_positions,
@@ -840,9 +840,8 @@ class PrefixAttention:
             )  # fmt: skip
             if page_table is not None:
                 assert row_of is not None
-                if int(np.diff(indptr).max(initial=0)) <= 1:
-                    # Room to advance (decode steps only: a step with several new tokens for
-                    # a request is never advanced, its pages stay laid out end to end).
+                if advances(indptr):
+                    # Room to advance; a plan that never advances keeps its pages end to end.
                     room = self._page_room(buffers, len(hp.host.kv_pages))
                     hp = with_room(hp, self.page_size, room)
                 self._advance_memo[key] = _Advanceable(

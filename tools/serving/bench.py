@@ -22,9 +22,10 @@ plugin (``tools/sglang/core_options.py``).
 
 Each backend runs in its own process group (``tools/proc_group.py``) with a share of
 ``--budget`` seconds (the call's first engine start, which fills the compile caches, a larger
-one: :func:`budget_share`), the bound first; a worker writes its results after every timed run, so a
-timeout keeps what finished (a workload cut off after some of its runs is marked ``partial``;
-``[k runs]`` in the table), and a backend that fails to start is recorded with its log's tail.
+one: :func:`budget_share`), the bound first; a worker writes its results after every timed
+run, so a timeout keeps what finished (a workload cut off after some of its runs is marked
+``partial``; ``[k runs]`` in the table), and a backend that fails to start is recorded with
+its log's tail.
 A built-in backend whose kernels do not import in the engine's environment (``PREFLIGHT``:
 SGLang's ``fa3`` imports ``sgl_kernel.flash_attn``) is skipped with the import's error before
 its engine starts, and its share of the budget goes to the others.
@@ -412,8 +413,8 @@ def budget_share(left: float, i: int, n: int) -> float:
     what is left, the first run counting :data:`FIRST_START_SHARES` shares. A run that ends
     early leaves its time to the later ones. Example: 600 s, 4 runs -> 208.7 s for the first,
     then (600 - its time) / 3 each."""
-    shares = (FIRST_START_SHARES if i == 0 else 1.0) + (n - i - 1)
-    return left * (FIRST_START_SHARES if i == 0 else 1.0) / shares
+    weight = FIRST_START_SHARES if i == 0 else 1.0
+    return left * weight / (weight + n - i - 1)
 
 
 def pool_passes(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:

@@ -925,13 +925,13 @@ class StepPlanner:
             return view[2], unknown == 0
         if hint.shape[0] >= num_real and np.array_equal(source, np.arange(num_real)):
             aligned = hint[:num_real]
-        elif len(hint):
-            # One gather of the rows, then the requests no row describes unknown throughout.
-            aligned = np.take(hint, np.maximum(source, 0), axis=0)
-            aligned[source < 0] = -1
-            aligned.flags.writeable = False
         else:
-            aligned = np.full((num_real, hint.shape[1]), -1, dtype=hint.dtype)
+            if len(hint):
+                # One gather of the rows, then the requests no row describes unknown.
+                aligned = np.take(hint, np.maximum(source, 0), axis=0)
+                aligned[source < 0] = -1
+            else:
+                aligned = np.full((num_real, hint.shape[1]), -1, dtype=hint.dtype)
             aligned.flags.writeable = False
         self._hint_view = (hint, key, aligned)
         return aligned, unknown == 0

@@ -90,6 +90,12 @@ class AdvanceIndex:
         return limit
 
 
+def advances(indptr: np.ndarray) -> bool:
+    """May a plan of these query offsets be advanced (:func:`advance`): at most one new token
+    per request? Plans of other steps are never laid out with room (:func:`with_room`)."""
+    return bool(np.diff(indptr).max(initial=0) <= 1)
+
+
 def advance(
     hp: HostPlan,
     old_lens: np.ndarray,
@@ -107,8 +113,7 @@ def advance(
     grow = new_lens - old_lens
     if grow.min(initial=0) < 0 or grow.max(initial=0) > 1:
         return None
-    q_len = np.diff(indptr)
-    if q_len.max(initial=0) > 1 or (grow[q_len == 0] != 0).any():
+    if not advances(indptr) or (grow[np.diff(indptr) == 0] != 0).any():
         return None
     grown = np.flatnonzero(grow)
     if not len(grown):
@@ -216,4 +221,4 @@ def _zeros(n: int) -> np.ndarray:
     return np.broadcast_to(np.zeros(1, np.int32), (n,))
 
 
-__all__ = ["ADVANCE_STEPS", "AdvanceIndex", "advance", "with_room"]
+__all__ = ["ADVANCE_STEPS", "AdvanceIndex", "advance", "advances", "with_room"]
